@@ -1,0 +1,268 @@
+"""Typed, frozen configs; YAML presets; command-line overrides.
+
+A config is a tree of frozen dataclasses. `load_config(path, overrides)` reads a YAML preset (which may
+name a `base:` preset to start from, relative to its own folder), applies `section.key=value`
+overrides (values parsed as YAML scalars/lists), and checks every key, type and consistency rule.
+Every error a user can cause is one `ConfigError` that names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence
+
+import yaml
+
+from dspark_jax.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16")
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+    """The Qwen3 target (Hugging Face config.json names) and the drafter-side facts about it."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 40960
+    # Weights and activations; norms and softmax are always float32.
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    # Layer ids whose outputs the drafter reads (-1: embedding output; the last layer is not allowed).
+    target_layer_ids: tuple[int, ...] = ()
+    mask_token_id: int = 0
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
+            _require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
+        _require(self.num_attention_heads % self.num_key_value_heads == 0, "num_attention_heads",
+                 f"{self.num_attention_heads} is not a multiple of num_key_value_heads "
+                 f"{self.num_key_value_heads}")
+        _require(self.head_dim % 2 == 0, "head_dim", f"must be even for RoPE, got {self.head_dim}")
+        _require(self.rms_norm_eps > 0, "rms_norm_eps", f"must be positive, got {self.rms_norm_eps}")
+        _require(self.rope_theta > 0, "rope_theta", f"must be positive, got {self.rope_theta}")
+        ids = self.target_layer_ids
+        last = self.num_hidden_layers - 1
+        _require(all(a < b for a, b in zip(ids, ids[1:])), "target_layer_ids",
+                 f"must be strictly increasing, got {list(ids)}")
+        bad = [i for i in ids if not -1 <= i < last]
+        _require(not bad, "target_layer_ids",
+                 f"{bad} out of range: ids must lie in [-1, {last - 1}] for {self.num_hidden_layers} "
+                 f"layers (-1 is the embedding output; the last layer {last} is not allowed)")
+        _require(0 <= self.mask_token_id < self.vocab_size, "mask_token_id",
+                 f"{self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh axis sizes; -1 on one axis takes all remaining devices."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        sizes = dataclasses.asdict(self)
+        for name, size in sizes.items():
+            _require(size == -1 or size >= 1, name, f"must be >= 1 or -1, got {size}")
+        _require(list(sizes.values()).count(-1) <= 1, "mesh", "at most one axis may be -1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A whole run: the target model and the device mesh (drafter and training sections join later)."""
+
+    target: TargetConfig
+    mesh: MeshConfig = MeshConfig()
+
+
+# ----------------------------------------------------------------------------- generic machinery
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp, key: str) -> Any:
+    """Checks `value` against the annotation `tp` and converts lists to tuples, ints to floats."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} fits none of {tp}")
+    if origin is Literal:
+        _require(value in args, key, f"expected one of {list(args)}, got {value!r}")
+        return value
+    if origin is tuple:
+        _require(isinstance(value, (list, tuple)), key,
+                 f"expected a list, got {type(value).__name__} {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+        _require(len(value) == len(args), key, f"expected {len(args)} items, got {len(value)}")
+        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        _require(isinstance(value, Mapping), key, f"expected a mapping, got {value!r}")
+        return from_dict(tp, value, prefix=key)
+    if tp is bool:
+        _require(isinstance(value, bool), key, f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        _require(isinstance(value, int) and not isinstance(value, bool), key,
+                 f"expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp is float:
+        _require(isinstance(value, (int, float)) and not isinstance(value, bool), key,
+                 f"expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is str:
+        _require(isinstance(value, str), key, f"expected a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config annotation {tp} for {key}")
+
+
+def from_dict(cls, data: Mapping[str, Any], prefix: str = ""):
+    """Builds dataclass `cls` from a mapping; unknown, missing or mistyped keys raise ConfigError."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    dotted = (lambda name: f"{prefix}.{name}") if prefix else (lambda name: name)
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown config key {dotted(unknown[0])!r}"
+                          + (f" (and {unknown[1:]})" if len(unknown) > 1 else "")
+                          + f"; known keys{' under ' + repr(prefix) if prefix else ''}: "
+                          + ", ".join(sorted(fields)))
+    kwargs = {}
+    for name, field in fields.items():
+        if name in data:
+            kwargs[name] = _coerce(data[name], hints[name], dotted(name))
+        elif (field.default is dataclasses.MISSING
+              and field.default_factory is dataclasses.MISSING):
+            raise ConfigError(f"missing config key {dotted(name)!r} ({_type_name(hints[name])})")
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{prefix}.{e}" if prefix else str(e)) from None
+
+
+def to_dict(cfg) -> dict[str, Any]:
+    """The inverse of from_dict: plain YAML/JSON-friendly values (tuples become lists)."""
+
+    def plain(v):
+        if dataclasses.is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, (tuple, list)):
+            return [plain(x) for x in v]
+        return v
+
+    return plain(cfg)
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"{path}: circular 'base:' chain through {[str(p) for p in seen]}")
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: 'base' must be a file name, got {base!r}")
+    return merge(_read_yaml(path.parent / base, seen + (path,)), data)
+
+
+def merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """Recursive dict merge: mappings merge key by key, anything else replaces."""
+    out = dict(base)
+    for k, v in update.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
+    """`["target.dtype=bfloat16", "mesh.data=4"]` -> nested dict; values parsed as YAML."""
+    out: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip().lstrip("-")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. target.dtype=bfloat16")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: cannot parse value: {e}") from None
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part!r} was already given a value")
+        node[parts[-1]] = value
+    return out
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = (), cls=Config):
+    """Reads a YAML preset, applies overrides, returns a validated `cls` instance."""
+    data = merge(_read_yaml(Path(path)), parse_overrides(overrides))
+    try:
+        return from_dict(cls, data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def preset_path(name: str) -> Path:
+    """A bundled preset by name (`qwen3-8b`) or a path to a YAML file."""
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        return p
+    return PRESETS_DIR / f"{name}.yaml"
+
+

@@ -1,0 +1,62 @@
+"""Building blocks shared by the target and the drafter: RMSNorm, RoPE, GQA attention, SwiGLU.
+
+Shapes: b batch, t query tokens, s key tokens, d model width, n query heads, k KV heads,
+g query heads per KV head (n = k*g), h head_dim, f MLP width.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30  # finite, so fully masked rows give a uniform (ignored) softmax instead of NaN
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """x * rsqrt(mean(x^2) + eps) * weight, computed in float32, returned in x.dtype."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x_bthd: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, rotate-half convention, at absolute integer positions."""
+    h = x_bthd.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))  # [h/2]
+    angles = positions_bt.astype(jnp.float32)[..., None] * inv_freq  # [b,t,h/2]
+    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+    x = x_bthd.astype(jnp.float32)
+    x1, x2 = x[..., : h // 2], x[..., h // 2:]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x * cos + rotated * sin).astype(x_bthd.dtype)
+
+
+def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
+              mask_bts: jax.Array) -> jax.Array:
+    """Grouped-query softmax attention (float32 scores) under a boolean mask; returns [b,t,n,h]."""
+    b, t, n, h = q_btnh.shape
+    kv = k_bskh.shape[2]
+    q_btkgh = q_btnh.reshape(b, t, kv, n // kv, h)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh,
+                        preferred_element_type=jnp.float32) * (h ** -0.5)
+    scores = jnp.where(mask_bts[:, None, None], scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh)
+    return out.reshape(b, t, n, h)
+
+
+def swiglu(x_btd: jax.Array, w_gate_df: jax.Array, w_up_df: jax.Array,
+           w_down_fd: jax.Array) -> jax.Array:
+    """down(silu(gate(x)) * up(x))."""
+    gate = jnp.einsum("btd,df->btf", x_btd, w_gate_df)
+    up = jnp.einsum("btd,df->btf", x_btd, w_up_df)
+    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down_fd)
+
+
+def project_qkv(x_btd, layer, eps: float):
+    """Per-head q/k projections with their RMSNorms (before RoPE), and v."""
+    q = rms_norm(jnp.einsum("btd,dnh->btnh", x_btd, layer["wq"]), layer["q_norm"], eps)
+    k = rms_norm(jnp.einsum("btd,dkh->btkh", x_btd, layer["wk"]), layer["k_norm"], eps)
+    v = jnp.einsum("btd,dkh->btkh", x_btd, layer["wv"])
+    return q, k, v

@@ -1,0 +1,155 @@
+"""The Qwen3 target model as pure functions over a params pytree.
+
+One `forward` serves full-sequence evaluation (training), prefill and multi-token extension against a
+KV cache at per-request positions. Layers are stacked on a leading `layers` axis and run under
+`lax.scan`, so compile time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dspark_jax.config import TargetConfig
+from dspark_jax.layers import attention, project_qkv, rms_norm, rope, swiglu
+from dspark_jax.params import ArrayInfo
+
+
+def param_dtype(cfg: TargetConfig):
+    return jnp.dtype(cfg.dtype)
+
+
+def target_spec(cfg: TargetConfig) -> dict:
+    """ArrayInfo tree of the target's parameters (torch Linear weights transposed to [in, out])."""
+    L, d, f = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
+    n, k, h, V = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size
+    w = param_dtype(cfg)
+    f32 = jnp.float32
+    spec = {
+        "embed": ArrayInfo((V, d), w, ("vocab", "embed")),
+        "layers": {
+            "attn_norm": ArrayInfo((L, d), f32, ("layers", "norm"), "ones"),
+            "wq": ArrayInfo((L, d, n, h), w, ("layers", "embed", "heads", "head_dim")),
+            "wk": ArrayInfo((L, d, k, h), w, ("layers", "embed", "kv_heads", "head_dim")),
+            "wv": ArrayInfo((L, d, k, h), w, ("layers", "embed", "kv_heads", "head_dim")),
+            "wo": ArrayInfo((L, n, h, d), w, ("layers", "heads", "head_dim", "embed")),
+            "q_norm": ArrayInfo((L, h), f32, ("layers", "norm"), "ones"),
+            "k_norm": ArrayInfo((L, h), f32, ("layers", "norm"), "ones"),
+            "mlp_norm": ArrayInfo((L, d), f32, ("layers", "norm"), "ones"),
+            "w_gate": ArrayInfo((L, d, f), w, ("layers", "embed", "mlp")),
+            "w_up": ArrayInfo((L, d, f), w, ("layers", "embed", "mlp")),
+            "w_down": ArrayInfo((L, f, d), w, ("layers", "mlp", "embed")),
+        },
+        "final_norm": ArrayInfo((d,), f32, ("norm",), "ones"),
+    }
+    if not cfg.tie_word_embeddings:
+        spec["lm_head"] = ArrayInfo((d, V), w, ("embed", "vocab"))
+    return spec
+
+
+@struct.dataclass
+class KVCache:
+    """Target KV cache; slot s of a request holds the token at absolute position s."""
+
+    k: jax.Array  # [L, B, S, K, H]
+    v: jax.Array  # [L, B, S, K, H]
+
+    @classmethod
+    def create(cls, cfg: TargetConfig, batch: int, max_len: int) -> "KVCache":
+        shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        zeros = jnp.zeros(shape, param_dtype(cfg))
+        return cls(k=zeros, v=zeros)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+@struct.dataclass
+class TargetOutput:
+    logits: jax.Array | None  # [B, T or K, V] float32
+    taps: jax.Array  # [B, T, m*d] tapped layer outputs, concatenated in target_layer_ids order
+    hidden: jax.Array  # [B, T, d] final (normed) hidden state, the lm_head input
+    cache: KVCache | None
+
+
+def lm_head(params, cfg: TargetConfig, hidden_btd: jax.Array) -> jax.Array:
+    """float32 logits [..., V] from final hidden states."""
+    if cfg.tie_word_embeddings:
+        return jnp.einsum("...d,vd->...v", hidden_btd, params["embed"],
+                          preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,dv->...v", hidden_btd, params["lm_head"],
+                      preferred_element_type=jnp.float32)
+
+
+def forward(params, cfg: TargetConfig, tokens: jax.Array, positions: jax.Array, *,
+            cache: KVCache | None = None, valid: jax.Array | None = None,
+            logit_index: jax.Array | None = None, compute_logits: bool = True) -> TargetOutput:
+    """Runs the target over `tokens` [B, T] at absolute `positions` [B, T].
+
+    Without a cache, tokens attend causally (by position) to the valid tokens of their own row.
+    With a cache, new keys/values of valid tokens are written at their positions and each token
+    attends to cache slots <= its position; invalid (padding) tokens are never written.
+    `logit_index` [B, K] selects the positions whose logits are computed (all when None).
+    """
+    B, T = tokens.shape
+    valid = jnp.ones((B, T), bool) if valid is None else valid
+    eps = cfg.rms_norm_eps
+    taps_ids = cfg.target_layer_ids
+    m = len(taps_ids)
+
+    x = params["embed"][tokens].astype(param_dtype(cfg))  # [B,T,d]
+    # slot_of_layer[i] = index of layer i in the taps buffer, or -1.
+    slot_of_layer = [-1] * cfg.num_hidden_layers
+    for slot, layer_id in enumerate(taps_ids):
+        if layer_id >= 0:
+            slot_of_layer[layer_id] = slot
+    taps_buf = jnp.zeros((max(m, 1), B, T, cfg.hidden_size), x.dtype)
+    if m and taps_ids[0] == -1:
+        taps_buf = taps_buf.at[0].set(x)
+
+    if cache is None:
+        mask = (positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :]
+    else:
+        S = cache.max_len
+        mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]
+        write_pos = jnp.where(valid, positions, S)  # out of range: dropped by the scatter
+        rows = jnp.arange(B)[:, None]
+
+    def layer_step(carry, xs):
+        x, taps_buf = carry
+        layer, layer_id, kv = xs
+        q, k, v = project_qkv(rms_norm(x, layer["attn_norm"], eps), layer, eps)
+        q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+        if kv is None:
+            keys, values = k, v
+        else:
+            ck, cv = kv
+            ck = ck.at[rows, write_pos].set(k, mode="drop")
+            cv = cv.at[rows, write_pos].set(v, mode="drop")
+            keys, values, kv = ck, cv, (ck, cv)
+        out = attention(q, keys, values, mask)
+        x = x + jnp.einsum("btnh,nhd->btd", out, layer["wo"])
+        h = rms_norm(x, layer["mlp_norm"], eps)
+        x = x + swiglu(h, layer["w_gate"], layer["w_up"], layer["w_down"])
+        slot = jnp.asarray(slot_of_layer)[layer_id]
+        safe = jnp.maximum(slot, 0)
+        keep = jnp.where(slot >= 0, x, taps_buf[safe])
+        taps_buf = jax.lax.dynamic_update_index_in_dim(taps_buf, keep, safe, 0)
+        return (x, taps_buf), kv
+
+    kv_in = None if cache is None else (cache.k, cache.v)
+    layer_ids = jnp.arange(cfg.num_hidden_layers)
+    (x, taps_buf), kv_out = jax.lax.scan(layer_step, (x, taps_buf),
+                                         (params["layers"], layer_ids, kv_in))
+    hidden = rms_norm(x, params["final_norm"], eps)
+    taps = jnp.moveaxis(taps_buf[:m], 0, 2).reshape(B, T, m * cfg.hidden_size)
+
+    logits = None
+    if compute_logits:
+        sel = hidden if logit_index is None else jnp.take_along_axis(
+            hidden, logit_index[..., None], axis=1)
+        logits = lm_head(params, cfg, sel)
+    new_cache = None if cache is None else KVCache(k=kv_out[0], v=kv_out[1])
+    return TargetOutput(logits=logits, taps=taps, hidden=hidden, cache=new_cache)
