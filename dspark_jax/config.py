@@ -147,6 +147,11 @@ def _coerce(value: Any, tp, key: str) -> Any:
                  f"expected an integer, got {type(value).__name__} {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "5e5" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         _require(isinstance(value, (int, float)) and not isinstance(value, bool), key,
                  f"expected a number, got {type(value).__name__} {value!r}")
         return float(value)

@@ -200,7 +200,16 @@ def _assemble(files: CheckpointFiles, maps: list[TensorMap], info: ArrayInfo):
     by_layer = {m.layer: m for m in maps}
     np_dtype = np.dtype(info.dtype)
 
+    # Devices that hold the same slice (replicas along data/fsdp) share one host read.
+    memo: dict[tuple, np.ndarray] = {}
+
     def read(index: tuple[slice, ...]) -> np.ndarray:
+        key = tuple((s.start, s.stop, s.step) for s in index)
+        if key not in memo:
+            memo[key] = read_slice(index)
+        return memo[key]
+
+    def read_slice(index: tuple[slice, ...]) -> np.ndarray:
         if None in by_layer:  # unstacked parameter
             m = by_layer[None]
             return np.asarray(m.to_ours(files.array(m.key))[index], dtype=np_dtype)

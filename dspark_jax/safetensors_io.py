@@ -21,8 +21,9 @@ import re
 import secrets
 import struct
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
-from typing import IO, Any
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -62,38 +63,42 @@ class TensorInfo:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _unknown_key(where: object, key: str, keys: Iterable[str], what: str) -> CheckpointError:
-    close = difflib.get_close_matches(str(key), list(keys), n=3)
-    hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
-    return CheckpointError(f"{where}: no tensor named {key!r} in {what}{hint}")
-
-
 def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     # json.loads silently keeps the last duplicate; in a header that would hide a tensor.
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
+    if len(out := dict(pairs)) != len(pairs):
+        raise ValueError(f"duplicate key {Counter(k for k, _ in pairs).most_common(1)[0][0]!r}")
     return out
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+class _Tensors:
+    """Name lookup shared by SafetensorsFile and CheckpointFiles."""
+
+    _table: dict[str, Any]  # tensor name -> where to find it
+    _where: pathlib.Path  # named in errors
+
+    def keys(self) -> list[str]:
+        """Tensor names, sorted."""
+        return sorted(self._table)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._table
+
+    def _lookup(self, key: str) -> Any:
+        if key not in self._table:
+            close = difflib.get_close_matches(str(key), list(self._table), n=3)
+            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise CheckpointError(f"{self._where}: no tensor named {key!r}{hint}")
+        return self._table[key]
 
 
-class SafetensorsFile:
+class SafetensorsFile(_Tensors):
     """One .safetensors file opened read-only; tensors are np.memmap views (no copy)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = pathlib.Path(path)
-        try:
-            f = open(self.path, "rb")
-        except FileNotFoundError:
-            raise CheckpointError(f"{self.path}: file not found") from None
-        except OSError as e:
-            raise CheckpointError(f"{self.path}: cannot open ({e.strerror})") from None
-        with f:
+        self.path = self._where = pathlib.Path(path)
+        if not self.path.is_file():
+            raise CheckpointError(f"{self.path}: file not found")
+        with open(self.path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size < 8:
                 raise self._fail(f"file is {size} bytes, shorter than the 8-byte header length "
@@ -102,17 +107,16 @@ class SafetensorsFile:
             if n > size - 8 or n > _MAX_HEADER_BYTES:
                 limit = f"file size {size}" if n > size - 8 else f"{_MAX_HEADER_BYTES} bytes"
                 raise self._fail(f"header length {n} exceeds {limit} {_TRUNCATED}")
-            self._entries: dict[str, tuple[TensorInfo, int]] = {}
-            self.metadata: dict[str, str] = self._parse_header(f.read(n), size - 8 - n)
-            self._data_start = 8 + n
+            self._table: dict[str, tuple[TensorInfo, int]] = {}  # -> (info, file offset)
+            self.metadata: dict[str, str] = self._parse_header(f.read(n), 8 + n, size - 8 - n)
             # Map the handle we validated, not the path: it may be replaced meanwhile.
             self._mmap = np.memmap(f, dtype=np.uint8, mode="r")
 
     def _fail(self, problem: str) -> CheckpointError:
         return CheckpointError(f"{self.path}: {problem}")
 
-    def _parse_header(self, raw: bytes, data_size: int) -> dict[str, str]:
-        """Validate the header and fill self._entries; returns __metadata__."""
+    def _parse_header(self, raw: bytes, data_start: int, data_size: int) -> dict[str, str]:
+        """Validate the header and fill self._table; returns __metadata__."""
         try:
             header = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys)
         except UnicodeDecodeError as e:
@@ -125,7 +129,6 @@ class SafetensorsFile:
         if meta is not None and not (
                 isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
             raise self._fail(f"__metadata__ must map str to str, got {meta!r}")
-        spans: list[tuple[int, int, str]] = []
         for name, entry in header.items():
             missing = [k for k in ("dtype", "shape", "data_offsets")
                        if not isinstance(entry, dict) or k not in entry]
@@ -135,10 +138,10 @@ class SafetensorsFile:
             if not isinstance(code, str) or code not in _DTYPES:
                 raise self._fail(f"tensor {name!r}: unknown dtype {code!r} "
                                  f"(supported: {', '.join(_DTYPES)})")
-            if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
                 raise self._fail(f"tensor {name!r}: shape {shape!r} is not a list of ints >= 0")
             if not (isinstance(offsets, list) and len(offsets) == 2
-                    and all(map(_is_int, offsets)) and 0 <= offsets[0] <= offsets[1]):
+                    and all(type(o) is int for o in offsets) and 0 <= offsets[0] <= offsets[1]):
                 raise self._fail(f"tensor {name!r}: data_offsets {offsets!r} is not "
                                  "[begin, end] with 0 <= begin <= end")
             info, (begin, end) = TensorInfo(_DTYPES[code], tuple(shape)), offsets
@@ -148,67 +151,46 @@ class SafetensorsFile:
             if end > data_size:
                 raise self._fail(f"tensor {name!r}: data_offsets {offsets} outside the data "
                                  f"buffer of {data_size} bytes {_TRUNCATED}")
-            self._entries[name] = (info, begin)
-            if end > begin:
-                spans.append((begin, end, name))
-        spans.sort()
+            self._table[name] = (info, data_start + begin)
+        spans = sorted((s, s + i.nbytes, k) for k, (i, s) in self._table.items() if i.nbytes)
         for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:]):
             if begin_b < end_a:
                 raise self._fail(f"tensors {a!r} and {b!r} have overlapping data_offsets")
         return meta or {}
 
-    def keys(self) -> list[str]:
-        """Tensor names, sorted."""
-        return sorted(self._entries)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._entries
-
-    def _entry(self, key: str) -> tuple[TensorInfo, int]:
-        if key not in self._entries:
-            raise _unknown_key(self.path, key, self._entries, "this file")
-        return self._entries[key]
-
     def info(self, key: str) -> TensorInfo:
         """dtype and shape of `key`, without touching its data."""
-        return self._entry(key)[0]
+        return self._lookup(key)[0]
 
     def array(self, key: str) -> np.ndarray:
         """Read-only np.memmap view of `key` with its stored dtype and shape (no copy)."""
-        info, begin = self._entry(key)
-        start = self._data_start + begin
+        info, start = self._lookup(key)
         return self._mmap[start:start + info.nbytes].view(info.dtype).reshape(info.shape)
 
 
-def _read_index(index: pathlib.Path) -> dict[str, str]:
-    try:
-        data = json.loads(index.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:  # ValueError covers JSON and UTF-8 decode errors
-        raise CheckpointError(f"{index}: not a valid JSON index file ({e})") from None
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
-        raise CheckpointError(f'{index}: lacks a "weight_map" object mapping tensor names to '
-                              "shard file names")
-    return weight_map
-
-
-class CheckpointFiles:
+class CheckpointFiles(_Tensors):
     """All tensors of a checkpoint directory: `model.safetensors`, or shards listed by
     `model.safetensors.index.json` ({"metadata": ..., "weight_map": {tensor: shard_filename}}).
-
-    If both exist the single file wins, as in transformers (save_dir never leaves both).
-    """
+    If both exist the single file wins, as in transformers (save_dir never leaves both)."""
 
     def __init__(self, directory: str | os.PathLike[str], *, index_name: str = INDEX_NAME,
                  single_name: str = SINGLE_NAME) -> None:
-        self.directory = pathlib.Path(directory)
+        self.directory = self._where = pathlib.Path(directory)
         single, index = self.directory / single_name, self.directory / index_name
         weight_map: dict[str, str] = {}
         shards: dict[str, SafetensorsFile] = {}
         if single.is_file():
             self.files = [SafetensorsFile(single)]
         elif index.is_file():
-            weight_map = _read_index(index)
+            try:
+                data = json.loads(index.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as e:  # ValueError covers JSON and UTF-8 errors
+                raise CheckpointError(f"{index}: not a valid JSON index file ({e})") from None
+            weight_map = data.get("weight_map") if isinstance(data, dict) else None
+            if not (isinstance(weight_map, dict)
+                    and all(isinstance(v, str) for v in weight_map.values())):
+                raise CheckpointError(f'{index}: lacks a "weight_map" object mapping tensor '
+                                      "names to shard file names")
             for shard in sorted(set(weight_map.values())):
                 if not (self.directory / shard).is_file():
                     raise CheckpointError(f"{index}: shard {shard!r} listed in the index does not "
@@ -219,37 +201,25 @@ class CheckpointFiles:
             why = "no checkpoint" if self.directory.is_dir() else "directory does not exist"
             raise CheckpointError(f"{self.directory}: {why} (looked for {single_name} "
                                   f"or {index_name})")
-        self._owner: dict[str, SafetensorsFile] = {}
+        self._table: dict[str, SafetensorsFile] = {}
         for f in self.files:
             for key in f.keys():
-                if key in self._owner:
+                if key in self._table:
                     raise CheckpointError(f"tensor {key!r} is stored in both "
-                                          f"{self._owner[key].path} and {f.path}")
-                self._owner[key] = f
+                                          f"{self._table[key].path} and {f.path}")
+                self._table[key] = f
         for key, shard in weight_map.items():
             if key not in shards[shard]:
                 raise CheckpointError(f"{index}: tensor {key!r} is listed for shard {shard!r} but "
                                       f"absent from {self.directory / shard}")
 
-    def keys(self) -> list[str]:
-        """All tensor names across files, sorted."""
-        return sorted(self._owner)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._owner
-
-    def _file(self, key: str) -> SafetensorsFile:
-        if key not in self._owner:
-            raise _unknown_key(self.directory, key, self._owner, "this checkpoint")
-        return self._owner[key]
-
     def info(self, key: str) -> TensorInfo:
         """dtype and shape of `key`."""
-        return self._file(key).info(key)
+        return self._lookup(key).info(key)
 
     def array(self, key: str) -> np.ndarray:
         """Read-only memmap view of `key` (see SafetensorsFile.array)."""
-        return self._file(key).array(key)
+        return self._lookup(key).array(key)
 
 
 _Prepared = tuple[str, str, np.ndarray]  # (name, dtype code, little-endian C-contiguous array)
@@ -274,12 +244,13 @@ def _prepare(name: object, value: object, where: pathlib.Path) -> _Prepared:
     return name, code, arr.astype(_DTYPES[code], order="C", copy=False)
 
 
-def _atomic_write(path: pathlib.Path, write: Callable[[IO[bytes]], None]) -> None:
-    # Readers never see a half-written file: write a sibling temp file, fsync, rename over.
+def _atomic_write(path: pathlib.Path, chunks: Iterable[Any]) -> None:
+    """Write `chunks` (bytes-like) to `path` via temp file + fsync + rename: never half-written."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            write(f)
+            for chunk in chunks:
+                f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -301,15 +272,9 @@ def _write(path: pathlib.Path, items: list[_Prepared], metadata: Mapping[str, st
         offset += arr.nbytes
     blob = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     blob += b" " * (-len(blob) % _ALIGN)
-
-    def write(f: IO[bytes]) -> None:
-        f.write(struct.pack("<Q", len(blob)) + blob)
-        for _, _, arr in items:
-            flat = arr.reshape(-1).view(np.uint8)  # byte view; the tensor is not copied
-            for i in range(0, flat.size, _WRITE_CHUNK):
-                f.write(flat[i:i + _WRITE_CHUNK])
-
-    _atomic_write(path, write)
+    flat = [arr.reshape(-1).view(np.uint8) for _, _, arr in items]  # byte views, no copies
+    _atomic_write(path, [struct.pack("<Q", len(blob)) + blob] + [
+        b[i:i + _WRITE_CHUNK] for b in flat for i in range(0, b.size, _WRITE_CHUNK)])
 
 
 def save_file(path: str | os.PathLike[str], tensors: Mapping[str, Any],
@@ -334,56 +299,50 @@ def save_dir(directory: str | os.PathLike[str],
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     directory.mkdir(parents=True, exist_ok=True)
-    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    limit = math.inf if max_shard_bytes is None else max_shard_bytes
     token = secrets.token_hex(4)  # temp shard names: N is unknown until the stream ends
-    tmp_shards: list[pathlib.Path] = []
-    shard_keys: list[list[str]] = []
+    written: list[tuple[pathlib.Path, list[str]]] = []  # temp shard files, their tensor names
     current: list[_Prepared] = []
+    seen: set[str] = set()
     current_bytes = total_bytes = 0
 
     def flush() -> None:
-        tmp = directory / f".model-{len(tmp_shards) + 1:05d}.{token}.safetensors.partial"
-        tmp_shards.append(tmp)
+        tmp = directory / f".model-{len(written) + 1:05d}.{token}.safetensors.partial"
+        written.append((tmp, [name for name, _, _ in current]))
         _write(tmp, current, metadata)
-        shard_keys.append([name for name, _, _ in current])
-
-    def remove_stale(keep: set[str]) -> None:
-        for p in directory.iterdir():
-            if _SHARD_RE.fullmatch(p.name) and p.name not in keep:
-                p.unlink(missing_ok=True)
 
     try:
-        seen: set[str] = set()
-        for name, value in items:
+        for name, value in (tensors.items() if isinstance(tensors, Mapping) else tensors):
+            item = _prepare(name, value, directory)  # validates `name` before hashing it
             if name in seen:
                 raise CheckpointError(f"{directory}: tensor {name!r} given twice")
             seen.add(name)
-            prepared = _prepare(name, value, directory)
-            nbytes = prepared[2].nbytes
-            if max_shard_bytes is not None and current and current_bytes + nbytes > max_shard_bytes:
+            if current and current_bytes + item[2].nbytes > limit:
                 flush()
                 current, current_bytes = [], 0
-            current.append(prepared)
-            current_bytes += nbytes
-            total_bytes += nbytes
-        if not tmp_shards:
-            _write(directory / SINGLE_NAME, current, metadata)
+            current.append(item)
+            current_bytes += item[2].nbytes
+            total_bytes += item[2].nbytes
+        if not written:
+            final = [directory / SINGLE_NAME]
+            _write(final[0], current, metadata)
             (directory / INDEX_NAME).unlink(missing_ok=True)
-            remove_stale(keep=set())
-            return [directory / SINGLE_NAME]
-        flush()
-        n = len(tmp_shards)
-        final = [directory / f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-        for tmp, dst in zip(tmp_shards, final):
-            os.replace(tmp, dst)
-        # Drop the single file before the index appears: readers prefer it when both exist.
-        (directory / SINGLE_NAME).unlink(missing_ok=True)
-        weight_map = {name: dst.name for dst, names in zip(final, shard_keys) for name in names}
-        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
-        text = json.dumps(index, indent=2, sort_keys=True) + "\n"
-        _atomic_write(directory / INDEX_NAME, lambda f: f.write(text.encode("utf-8")))
-        remove_stale(keep={p.name for p in final})
+        else:
+            flush()
+            n = len(written)
+            final = [directory / f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+            for (tmp, _), dst in zip(written, final):
+                os.replace(tmp, dst)
+            # Drop the single file before the index appears: readers prefer it when both exist.
+            (directory / SINGLE_NAME).unlink(missing_ok=True)
+            weight_map = {key: dst.name for dst, (_, keys) in zip(final, written) for key in keys}
+            text = json.dumps({"metadata": {"total_size": total_bytes}, "weight_map": weight_map},
+                              indent=2, sort_keys=True) + "\n"
+            _atomic_write(directory / INDEX_NAME, [text.encode("utf-8")])
+        for p in directory.iterdir():  # shards of an earlier write would contradict this one
+            if _SHARD_RE.fullmatch(p.name) and p not in final:
+                p.unlink(missing_ok=True)
         return final
     finally:
-        for tmp in tmp_shards:
+        for tmp, _ in written:
             tmp.unlink(missing_ok=True)  # no-op after the renames; cleans up after an error
