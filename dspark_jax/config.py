@@ -79,6 +79,58 @@ class TargetConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """The DSpark drafter (§3). Layer shapes are the target's; only their number differs.
+
+    `markov_rank = 0` removes the sequential head; with the confidence head off and a CE-only loss
+    that is DFlash.
+    """
+
+    num_draft_layers: int = 5
+    block_size: int = 7
+    markov_rank: int = 256
+    markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = True
+    num_anchors: int = 512  # anchored blocks per training sequence
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; master weights are float32
+
+    def __post_init__(self):
+        _require(self.num_draft_layers >= 1, "num_draft_layers", f"must be >= 1, got {self.num_draft_layers}")
+        _require(self.block_size >= 2, "block_size", f"must be >= 2, got {self.block_size}")
+        _require(self.markov_rank >= 0, "markov_rank", f"must be >= 0, got {self.markov_rank}")
+        _require(self.num_anchors >= 1, "num_anchors", f"must be >= 1, got {self.num_anchors}")
+        _require(not (self.confidence_head_with_markov and self.enable_confidence_head
+                      and self.markov_rank == 0), "confidence_head_with_markov",
+                 "needs a Markov embedding (markov_rank > 0)")
+
+    @property
+    def has_markov(self) -> bool:
+        return self.markov_rank > 0
+
+    @property
+    def conf_uses_markov(self) -> bool:
+        return self.enable_confidence_head and self.confidence_head_with_markov and self.has_markov
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """L = ce·CE + tv·‖p_d − p_t‖₁ + confidence·BCE, position weights exp(−k / decay_gamma)."""
+
+    ce_weight: float = 0.1
+    tv_weight: float = 0.9
+    confidence_weight: float = 1.0
+    loss_decay_gamma: float = 4.0
+
+    def __post_init__(self):
+        for name in ("ce_weight", "tv_weight", "confidence_weight"):
+            _require(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
+        _require(self.ce_weight + self.tv_weight > 0, "ce_weight", "ce_weight + tv_weight must be > 0")
+        _require(self.loss_decay_gamma > 0, "loss_decay_gamma",
+                 f"must be positive, got {self.loss_decay_gamma}")
+
+
+@dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Device mesh axis sizes; -1 on one axis takes all remaining devices."""
 
@@ -95,9 +147,10 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """A whole run: the target model and the device mesh (drafter and training sections join later)."""
+    """A whole run: target, drafter, device mesh (and training, when training)."""
 
     target: TargetConfig
+    drafter: DrafterConfig = DrafterConfig()
     mesh: MeshConfig = MeshConfig()
 
 

@@ -140,6 +140,22 @@ def test_reads_safetensors_torch_files_including_bf16(tmp_path: pathlib.Path) ->
         assert _bits(f.array(name)) == tensors[name].numpy().tobytes()
 
 
+def test_float8_matches_torch(tmp_path: pathlib.Path) -> None:
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    tensors = {"e4m3": x.to(torch.float8_e4m3fn), "e5m2": x.to(torch.float8_e5m2)}
+    safetensors.torch.save_file(tensors, str(tmp_path / "t.safetensors"))
+    f = SafetensorsFile(tmp_path / "t.safetensors")
+    assert f.info("e4m3").dtype == np.dtype(ml_dtypes.float8_e4m3fn)
+    assert f.info("e5m2").dtype == np.dtype(ml_dtypes.float8_e5m2)
+    for name, t in tensors.items():
+        assert _bits(f.array(name)) == t.view(torch.uint8).numpy().tobytes()
+    save_file(tmp_path / "o.safetensors", {k: f.array(k) for k in f.keys()})
+    with safetensors.safe_open(str(tmp_path / "o.safetensors"), framework="pt") as g:
+        for name, t in tensors.items():
+            assert g.get_tensor(name).dtype == t.dtype and torch.equal(
+                g.get_tensor(name).view(torch.uint8), t.view(torch.uint8))
+
+
 def test_our_files_read_by_safetensors(tmp_path: pathlib.Path) -> None:
     tensors = {"w": _sample(np.float32, (4, 3)), "ids": _sample(np.int64, (5,)),
                "mask": _sample(np.bool_, (2, 2)), "s": np.float16(1.5), "ünï": _sample(np.uint8)}

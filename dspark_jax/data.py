@@ -1,0 +1,392 @@
+"""Training data: tokenized conversations, anchor sampling and deterministic sharded batches.
+
+Host-side numpy, deterministic from a seed. A :class:`Dataset` holds every usable conversation of a
+JSONL file as token ids and a loss mask (True on assistant content, see ``tokenizer.py``), capped at
+``max_length`` tokens. A :class:`BatchIterator` walks seeded permutations of it, one per epoch, and
+yields this process's rows of each global batch with fixed shapes; anchors (block start positions,
+DESIGN.md §3 "Training data layout") are sampled per row. :func:`make_global_batch` turns a process's
+rows into global ``jax.Array``s.
+
+Randomness: epoch ``e`` visits records in ``default_rng([seed, e]).permutation(n)``; the row at slot
+``i`` of that permutation samples its anchors from ``default_rng([seed, e, i, 1])``. The trailing 1
+keeps the two streams apart (SeedSequence pads entropy with zeros, so ``[s, e]`` equals
+``[s, e, 0, 0]``). Anchors thus depend only on (seed, epoch, slot), not on batch size or process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dspark_jax.errors import ConfigError, DataError
+from dspark_jax.tokenizer import END_OF_TEXT, Tokenizer, encode_training_record, read_jsonl
+
+_ANCHOR_STREAM = 1  # last SeedSequence word of the anchor streams (see module docstring)
+_STATE_KEYS = ("epoch", "position", "seed", "num_records", "lengths_sha256")
+
+
+# ---------------------------------------------------------------------------
+# Dataset
+
+
+@dataclass(frozen=True)
+class DatasetStats:
+    """What happened to the records of a file.
+
+    ``records_read = kept + skipped_no_assistant + skipped_too_short``; ``truncated`` counts kept
+    records that were cut to ``max_length``. A record is too short when it has fewer than
+    ``min_length`` tokens or no anchor candidate (two adjacent supervised positions) after the cut.
+    """
+
+    records_read: int
+    kept: int
+    skipped_no_assistant: int
+    skipped_too_short: int
+    truncated: int
+
+    def as_dict(self) -> dict[str, int]:
+        """The counts by name (for logs)."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Tokenized training conversations.
+
+    input_ids[i]:  int32 [len_i], len_i <= max_length
+    loss_masks[i]: bool  [len_i], True where the token is a training label (assistant content)
+    pad_id: id used to pad rows of a batch (``<|endoftext|>`` when the tokenizer has it, else 0).
+    """
+
+    path: str
+    input_ids: list[np.ndarray]
+    loss_masks: list[np.ndarray]
+    max_length: int
+    pad_id: int
+    stats: DatasetStats
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Number of records and a hash of their lengths; iterator states carry it to detect changed data."""
+        lengths = np.asarray([len(x) for x in self.input_ids], dtype="<i8")
+        return {
+            "num_records": len(self.input_ids),
+            "lengths_sha256": hashlib.sha256(lengths.tobytes()).hexdigest(),
+        }
+
+
+def _has_anchor_candidate(loss_mask: np.ndarray) -> bool:
+    return bool((loss_mask[:-1] & loss_mask[1:]).any())
+
+
+def load_conversations(path: str | Path, tokenizer: Tokenizer, *, max_length: int, min_length: int) -> Dataset:
+    """Tokenize every ``conversations``/``turns`` record of a JSONL file (see :class:`DatasetStats`).
+
+    Records longer than ``max_length`` tokens are cut to it. Training callers pass
+    ``min_length = block_size + 1``. Raises DataError naming file and line for unreadable records,
+    and naming the file and the skip counts when no record is usable.
+    """
+    if min_length < 2:
+        raise ConfigError(f"data: min_length must be >= 2 (two tokens make one anchor), got {min_length}")
+    if max_length < min_length:
+        raise ConfigError(f"data: max_length ({max_length}) must be >= min_length ({min_length})")
+    input_ids: list[np.ndarray] = []
+    loss_masks: list[np.ndarray] = []
+    read = no_assistant = too_short = truncated = 0
+    for line_no, record in read_jsonl(path):
+        read += 1
+        encoded = encode_training_record(tokenizer, record, where=f"{path}:{line_no}")
+        if encoded is None:
+            no_assistant += 1
+            continue
+        ids, mask = encoded
+        cut = len(ids) > max_length
+        ids, mask = ids[:max_length], mask[:max_length]
+        if len(ids) < min_length or not _has_anchor_candidate(mask):
+            too_short += 1
+            continue
+        truncated += cut
+        input_ids.append(np.ascontiguousarray(ids, dtype=np.int32))
+        loss_masks.append(np.ascontiguousarray(mask, dtype=bool))
+    stats = DatasetStats(
+        records_read=read,
+        kept=len(input_ids),
+        skipped_no_assistant=no_assistant,
+        skipped_too_short=too_short,
+        truncated=truncated,
+    )
+    if not input_ids:
+        raise DataError(
+            f"{path}: no usable training records ({read} read, {no_assistant} without an assistant turn, "
+            f"{too_short} shorter than {min_length} tokens or with fewer than 2 adjacent supervised "
+            f"tokens after cutting to {max_length})"
+        )
+    pad_id = tokenizer.backend.token_to_id(END_OF_TEXT)
+    return Dataset(
+        path=str(path),
+        input_ids=input_ids,
+        loss_masks=loss_masks,
+        max_length=max_length,
+        pad_id=0 if pad_id is None else int(pad_id),
+        stats=stats,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Anchors
+
+
+def sample_anchors(
+    loss_mask_row: np.ndarray, num_anchors: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Anchor positions of one sequence and which of them are real.
+
+    Candidates are positions p with ``loss_mask[p]`` and ``loss_mask[p+1]``. Draws ``num_anchors``
+    of them uniformly without replacement, sorted ascending; with fewer candidates all are taken and
+    the rest are dummy anchors at position 0.
+
+    Returns anchors int32 [num_anchors] and keep bool [num_anchors] (False on dummies).
+    """
+    mask = np.asarray(loss_mask_row, dtype=bool)
+    candidates = np.flatnonzero(mask[:-1] & mask[1:])
+    anchors = np.zeros(num_anchors, dtype=np.int32)
+    keep = np.zeros(num_anchors, dtype=bool)
+    if len(candidates) > num_anchors:
+        chosen = np.sort(rng.choice(candidates, size=num_anchors, replace=False))
+    else:
+        chosen = candidates
+    anchors[: len(chosen)] = chosen
+    keep[: len(chosen)] = True
+    return anchors, keep
+
+
+# ---------------------------------------------------------------------------
+# Batches
+
+
+class BatchIterator:
+    """Endless fixed-shape batches of this process's rows, epoch after epoch.
+
+    Each ``next()`` yields::
+
+        input_ids:   int32 [B_local, max_length]  (pad_id after each sequence)
+        loss_mask:   bool  [B_local, max_length]  (False on padding)
+        anchors:     int32 [B_local, num_anchors] (ascending; 0 on dummies)
+        anchor_keep: bool  [B_local, num_anchors]
+
+    with ``B_local = global_batch_size // process_count``. A global batch is the next
+    ``global_batch_size`` slots of the epoch's permutation; process ``k`` takes its rows
+    ``[k * B_local, (k + 1) * B_local)``. With ``drop_remainder`` an epoch ends before a partial
+    batch; without it the last batch is filled with padding rows (no loss, no kept anchor).
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        *,
+        global_batch_size: int,
+        num_anchors: int,
+        block_size: int,
+        seed: int,
+        process_index: int = 0,
+        process_count: int = 1,
+        drop_remainder: bool = True,
+        pad_id: int | None = None,
+    ) -> None:
+        n = len(dataset)
+        if global_batch_size < 1 or num_anchors < 1 or block_size < 1:
+            raise ConfigError(
+                f"data: global_batch_size ({global_batch_size}), num_anchors ({num_anchors}) and "
+                f"block_size ({block_size}) must be >= 1"
+            )
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ConfigError(f"data: seed must be a non-negative int, got {seed!r}")
+        if process_count < 1 or not 0 <= process_index < process_count:
+            raise ConfigError(f"data: process_index {process_index} is not in [0, {process_count})")
+        if global_batch_size % process_count:
+            raise ConfigError(
+                f"data: global_batch_size {global_batch_size} is not divisible by the {process_count} processes"
+            )
+        if drop_remainder and n < global_batch_size:
+            raise DataError(
+                f"{dataset.path}: {n} usable records are fewer than one global batch of {global_batch_size} "
+                "(use a smaller batch, more data, or drop_remainder=False)"
+            )
+        self.dataset = dataset
+        self.global_batch_size = global_batch_size
+        self.local_batch_size = global_batch_size // process_count
+        self.num_anchors = num_anchors
+        self.block_size = block_size
+        self.seed = int(seed)
+        self.process_index = process_index
+        self.process_count = process_count
+        self.drop_remainder = drop_remainder
+        self.pad_id = dataset.pad_id if pad_id is None else int(pad_id)
+        self._fingerprint = dataset.fingerprint()
+        self.epoch = 0
+        self.position = 0  # slot of the permutation where the next global batch starts
+        self._perm_epoch = -1
+        self._perm = np.empty(0, dtype=np.int64)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Global batches in one epoch."""
+        n = len(self.dataset)
+        return n // self.global_batch_size if self.drop_remainder else math.ceil(n / self.global_batch_size)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+            self._perm_epoch = epoch
+        return self._perm
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        n, b, length = len(self.dataset), self.local_batch_size, self.dataset.max_length
+        perm = self._permutation(self.epoch)
+        input_ids = np.full((b, length), self.pad_id, dtype=np.int32)
+        loss_mask = np.zeros((b, length), dtype=bool)
+        anchors = np.zeros((b, self.num_anchors), dtype=np.int32)
+        anchor_keep = np.zeros((b, self.num_anchors), dtype=bool)
+        first_slot = self.position + self.process_index * b
+        for row in range(b):
+            slot = first_slot + row
+            if slot >= n:  # padding row of a partial last batch
+                continue
+            record = perm[slot]
+            ids, mask = self.dataset.input_ids[record], self.dataset.loss_masks[record]
+            input_ids[row, : len(ids)] = ids
+            loss_mask[row, : len(mask)] = mask
+            rng = np.random.default_rng([self.seed, self.epoch, slot, _ANCHOR_STREAM])
+            anchors[row], anchor_keep[row] = sample_anchors(mask, self.num_anchors, rng)
+        self._advance()
+        return {"input_ids": input_ids, "loss_mask": loss_mask, "anchors": anchors, "anchor_keep": anchor_keep}
+
+    def _advance(self) -> None:
+        """Move to the next global batch, rolling over to the next epoch when this one is done."""
+        n, g = len(self.dataset), self.global_batch_size
+        self.position += g
+        if self.position >= n or (self.drop_remainder and self.position + g > n):
+            self.epoch += 1
+            self.position = 0
+
+    def state(self) -> dict[str, Any]:
+        """JSON-serialisable position of the iterator (the next batch it will yield) and data fingerprint."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, **self._fingerprint}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state()`` of an iterator over the same data; the next batch is the one it would yield."""
+        if not isinstance(state, Mapping):
+            raise DataError(f"data iterator state must be a mapping, got {type(state).__name__}")
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise DataError(f"data iterator state is missing keys {missing} (has {sorted(state)})")
+        if (state["num_records"], state["lengths_sha256"]) != (
+            self._fingerprint["num_records"],
+            self._fingerprint["lengths_sha256"],
+        ):
+            raise DataError(
+                f"{self.dataset.path}: the training data changed since the iterator state was saved "
+                f"(saved for {state['num_records']} records with lengths hash {str(state['lengths_sha256'])[:12]}, "
+                f"now {self._fingerprint['num_records']} records with lengths hash "
+                f"{self._fingerprint['lengths_sha256'][:12]}); resuming would not replay the same batches"
+            )
+        if state["seed"] != self.seed:
+            raise DataError(
+                f"data iterator state was saved with seed {state['seed']}, but this iterator uses {self.seed}"
+            )
+        epoch, position = state["epoch"], state["position"]
+        for name, value in (("epoch", epoch), ("position", position)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise DataError(f"data iterator state: '{name}' must be a non-negative int, got {value!r}")
+        if position >= len(self.dataset):
+            raise DataError(f"data iterator state: position {position} is past the {len(self.dataset)} records")
+        self.epoch, self.position = epoch, position
+        if self.drop_remainder and position + self.global_batch_size > len(self.dataset):
+            # Saved with a smaller global batch: this epoch has no full batch left.
+            self.epoch, self.position = epoch + 1, 0
+
+
+# ---------------------------------------------------------------------------
+# Global arrays
+
+
+def make_global_batch(
+    local_batch: Mapping[str, np.ndarray], mesh: Mesh, batch_axes: Sequence[str] = ("data", "fsdp")
+) -> dict[str, jax.Array]:
+    """Global arrays, dim 0 sharded over ``batch_axes``, from this process's rows of each entry."""
+    spec = PartitionSpec(tuple(batch_axes))
+    sharding = NamedSharding(mesh, spec)
+    shards = math.prod(mesh.shape[a] for a in batch_axes)
+    out = {}
+    for name, x in local_batch.items():
+        global_rows = x.shape[0] * jax.process_count()
+        if global_rows % shards:
+            raise ConfigError(
+                f"data: global batch of {global_rows} rows ('{name}') is not divisible by the {shards} "
+                f"devices of mesh axes {tuple(batch_axes)}"
+            )
+        out[name] = jax.make_array_from_process_local_data(sharding, x)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Synthetic data
+
+DEFAULT_WORDS = (
+    "apple", "river", "stone", "cloud", "green", "tiger", "lamp", "paper",
+    "music", "orange", "silver", "window", "garden", "rocket", "pencil", "forest",
+)  # fmt: skip
+
+
+def _synthetic_exchange(rng: np.random.Generator, words: Sequence[str]) -> tuple[str, str]:
+    """One (user, assistant) pair whose answer follows from the question."""
+    kind = rng.integers(3)
+    if kind == 0:
+        start, count = int(rng.integers(0, 50)), int(rng.integers(6, 16))
+        numbers = [str(i) for i in range(start, start + count)]
+        return f"Count from {numbers[0]} to {numbers[-1]}.", " ".join(numbers)
+    phrase = [str(w) for w in rng.choice(words, size=int(rng.integers(2, 5)), replace=False)]
+    if kind == 1:
+        times = int(rng.integers(3, 6))
+        return f"Repeat '{' '.join(phrase)}' {times} times.", " ".join(phrase * times)
+    total = int(rng.integers(len(phrase) + 4, 3 * len(phrase) + 8))
+    cycle = [phrase[i % len(phrase)] for i in range(total)]
+    return f"Continue the pattern: {' '.join(phrase)}", " ".join(cycle)
+
+
+def write_synthetic_conversations(
+    path: str | Path, n: int, *, seed: int, vocab_words: Sequence[str] = DEFAULT_WORDS
+) -> Path:
+    """Write ``n`` learnable chat records (counting, repeating, cycling words) as JSONL; deterministic in ``seed``.
+
+    Some records have a system message or a second exchange, so masks cover several assistant turns.
+    """
+    if len(vocab_words) < 4:
+        raise ConfigError(f"data: synthetic data needs at least 4 vocab_words, got {len(vocab_words)}")
+    rng = np.random.default_rng(seed)
+    path = Path(path)
+    lines = []
+    for i in range(n):
+        messages = []
+        if rng.random() < 0.2:
+            messages.append({"role": "system", "content": "Answer exactly."})
+        for _ in range(2 if rng.random() < 0.25 else 1):
+            user, assistant = _synthetic_exchange(rng, vocab_words)
+            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        lines.append(json.dumps({"id": i, "conversations": messages}))
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path

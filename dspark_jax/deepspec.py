@@ -1,0 +1,171 @@
+"""DeepSpec-format DSpark/DFlash drafters (DESIGN §9): import into JAX params, export back.
+
+A DeepSpec drafter directory holds `config.json` (the target's Qwen3 config with the drafter fields)
+and `model.safetensors` whose keys have no `model.` prefix. It carries copies of the target's
+embedding and lm_head; we do not keep them (the drafter shares the target's), but on import they are
+compared with the target's and a mismatch is an error (or a warning when asked).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from dspark_jax.config import DrafterConfig, TargetConfig, from_dict
+from dspark_jax.drafter import drafter_spec, layer_config
+from dspark_jax.errors import CheckpointError, ConfigError
+from dspark_jax.hf_checkpoint import (TensorMap, _identity, _transpose, check_tensors, config_to_hf,
+                                      iter_torch_tensors, layer_key_map, load_tensors, read_json,
+                                      torch_dtype)
+from dspark_jax.safetensors_io import CheckpointFiles, save_dir
+
+SHARED_KEYS = ("embed_tokens.weight", "lm_head.weight")
+
+
+def drafter_key_map(tcfg: TargetConfig, dcfg: DrafterConfig) -> list[TensorMap]:
+    """Every drafter-owned tensor of a DeepSpec checkpoint (the shared embedding/head excluded)."""
+    d, m, r, V = tcfg.hidden_size, tcfg.num_taps, dcfg.markov_rank, tcfg.vocab_size
+    rows = [TensorMap("fc.weight", "fc", None, (d, m * d), _transpose, _transpose),
+            TensorMap("hidden_norm.weight", "hidden_norm", None, (d,), _identity, _identity)]
+    rows += layer_key_map(layer_config(tcfg, dcfg), dcfg.num_draft_layers, prefix="")
+    rows.append(TensorMap("norm.weight", "final_norm", None, (d,), _identity, _identity))
+    if dcfg.has_markov:
+        rows += [TensorMap("markov_head.markov_w1.weight", "markov_w1", None, (V, r), _identity, _identity),
+                 TensorMap("markov_head.markov_w2.weight", "markov_w2", None, (V, r), _transpose, _transpose)]
+        if dcfg.markov_head_type == "gated":
+            rows += [TensorMap("markov_head.gate_proj.weight", "markov_gate_w", None, (r, d + r),
+                               _transpose, _transpose),
+                     TensorMap("markov_head.gate_proj.bias", "markov_gate_b", None, (r,), _identity, _identity)]
+        elif dcfg.markov_head_type == "rnn":
+            rows += [TensorMap("markov_head.joint_proj.weight", "markov_joint_w", None, (3 * r, 2 * r + d),
+                               _transpose, _transpose),
+                     TensorMap("markov_head.joint_proj.bias", "markov_joint_b", None, (3 * r,),
+                               _identity, _identity)]
+    if dcfg.enable_confidence_head:
+        width = d + (r if dcfg.conf_uses_markov else 0)
+        rows += [TensorMap("confidence_head.proj.weight", "conf_w", None, (1, width),
+                           lambda a: a.reshape(-1), lambda a: a.reshape(1, -1)),
+                 TensorMap("confidence_head.proj.bias", "conf_b", None, (1,), _identity, _identity)]
+    return rows
+
+
+# Fields of the drafter's config.json that must equal the target's.
+_MUST_FIT = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "rms_norm_eps")
+
+
+def drafter_config_from_hf(hf: dict, tcfg: TargetConfig, where: str) -> DrafterConfig:
+    """DrafterConfig from a DeepSpec config.json, checking that it fits the target."""
+    problems = []
+    for key in _MUST_FIT:
+        mine = hf.get(key, hf["hidden_size"] // hf["num_attention_heads"] if key == "head_dim" else None)
+        if mine != getattr(tcfg, key):
+            problems.append(f"{key} {mine} != target {getattr(tcfg, key)}")
+    rope = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta"))
+    if rope is not None and float(rope) != tcfg.rope_theta:
+        problems.append(f"rope_theta {rope} != target {tcfg.rope_theta}")
+    if list(hf.get("target_layer_ids", [])) != list(tcfg.target_layer_ids):
+        problems.append(f"target_layer_ids {hf.get('target_layer_ids')} != target's "
+                        f"{list(tcfg.target_layer_ids)}")
+    if hf.get("num_target_layers", tcfg.num_hidden_layers) != tcfg.num_hidden_layers:
+        problems.append(f"num_target_layers {hf['num_target_layers']} != target "
+                        f"{tcfg.num_hidden_layers}")
+    if hf.get("mask_token_id") != tcfg.mask_token_id:
+        problems.append(f"mask_token_id {hf.get('mask_token_id')} != target {tcfg.mask_token_id}")
+    if problems:
+        raise CheckpointError(f"{where}: drafter does not fit the target: " + "; ".join(problems))
+    rank = int(hf.get("markov_rank", 0) or 0)
+    data = dict(num_draft_layers=hf.get("num_hidden_layers"), block_size=hf.get("block_size"),
+                markov_rank=rank, enable_confidence_head=bool(hf.get("enable_confidence_head", False)),
+                confidence_head_with_markov=bool(hf.get("confidence_head_with_markov", False)),
+                num_anchors=hf.get("num_anchors", 512))
+    if rank:
+        data["markov_head_type"] = hf.get("markov_head_type", "vanilla")
+    try:
+        return from_dict(DrafterConfig, {k: v for k, v in data.items() if v is not None})
+    except ConfigError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+
+
+def drafter_config_to_hf(tcfg: TargetConfig, dcfg: DrafterConfig) -> dict:
+    out = config_to_hf(layer_config(tcfg, dcfg))
+    out.update(architectures=["Qwen3DSparkModel"], num_target_layers=tcfg.num_hidden_layers,
+               block_size=dcfg.block_size, target_layer_ids=list(tcfg.target_layer_ids),
+               mask_token_id=tcfg.mask_token_id, num_anchors=dcfg.num_anchors,
+               markov_rank=dcfg.markov_rank, enable_confidence_head=dcfg.enable_confidence_head,
+               confidence_head_with_markov=dcfg.conf_uses_markov, tie_word_embeddings=False,
+               dtype=dcfg.dtype, torch_dtype=dcfg.dtype)
+    if dcfg.has_markov:
+        out["markov_head_type"] = dcfg.markov_head_type
+    return out
+
+
+def _target_copies(target_params, tcfg: TargetConfig) -> dict[str, np.ndarray]:
+    embed = np.asarray(jax.device_get(target_params["embed"]))
+    head = embed if tcfg.tie_word_embeddings else np.asarray(jax.device_get(target_params["lm_head"])).T
+    return {"embed_tokens.weight": embed, "lm_head.weight": head}
+
+
+def load_drafter(directory: str | Path, tcfg: TargetConfig, target_params=None, *,
+                 mesh: Mesh | None = None, on_mismatch: str = "error") -> tuple[DrafterConfig, dict]:
+    """Imports a DeepSpec drafter directory: (DrafterConfig, float32 drafter params).
+
+    With `target_params`, the checkpoint's embedding and lm_head copies are compared with the
+    target's; a difference raises (`on_mismatch="error"`) or warns (`"warn"`).
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: drafter directory not found")
+    cfg_path = directory / "config.json"
+    hf = read_json(cfg_path)
+    if "Qwen3DSparkModel" not in (hf.get("architectures") or []) and "block_size" not in hf:
+        raise CheckpointError(f"{cfg_path}: not a DeepSpec DSpark drafter (architectures "
+                              f"{hf.get('architectures')}, no block_size)")
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "block_size"):
+        if key not in hf:
+            raise CheckpointError(f"{cfg_path}: missing key {key!r}")
+    dcfg = drafter_config_from_hf(hf, tcfg, str(cfg_path))
+    files = CheckpointFiles(directory)
+    key_map = drafter_key_map(tcfg, dcfg)
+    check_tensors(files, key_map, str(directory), optional=frozenset(SHARED_KEYS))
+    if target_params is not None:
+        for key, ref in _target_copies(target_params, tcfg).items():
+            if key not in files:
+                continue
+            mine = files.array(key)
+            diff = (float(np.max(np.abs(mine.astype(np.float32) - ref.astype(np.float32))))
+                    if mine.shape == ref.shape else float("inf"))
+            if diff > 0:
+                msg = (f"{directory}: {key} differs from the target's (max abs diff {diff:.3g}, "
+                       f"shape {mine.shape} vs {ref.shape}); the drafter was trained against "
+                       "another target, and ours will be used")
+                if on_mismatch == "error":
+                    raise CheckpointError(msg)
+                warnings.warn(msg, stacklevel=2)
+    return dcfg, load_tensors(files, key_map, drafter_spec(tcfg, dcfg), mesh)
+
+
+def save_drafter(dparams, tcfg: TargetConfig, dcfg: DrafterConfig, target_params,
+                 out_dir: str | Path, *, dtype: str | None = None) -> Path:
+    """Writes a DeepSpec-format drafter directory (with the target's embedding and head copies)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    np_dtype = torch_dtype(dtype or dcfg.dtype)
+
+    def tensors():
+        copies = _target_copies(target_params, tcfg)
+        yield "embed_tokens.weight", copies["embed_tokens.weight"].astype(np_dtype)
+        yield from iter_torch_tensors(dparams, drafter_key_map(tcfg, dcfg), np_dtype)
+        yield "lm_head.weight", np.ascontiguousarray(copies["lm_head.weight"]).astype(np_dtype)
+
+    save_dir(out, tensors(), metadata={"format": "pt"})
+    hf = drafter_config_to_hf(tcfg, dcfg)
+    if dtype:
+        hf.update(dtype=dtype, torch_dtype=dtype)
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    return out

@@ -1,0 +1,339 @@
+"""The DSpark drafter (DESIGN §3): KV-injection backbone, sequential (Markov) head, confidence head.
+
+The drafter owns only its own weights; the token embedding and the lm_head are the target's frozen
+ones, passed in as `target_params`. Shapes: B batch, N anchored blocks per row, T = block size,
+S context length, d width, m tapped layers, r Markov rank, V vocabulary, K KV heads, g query heads
+per KV head, h head_dim.
+
+Two paths share every layer function:
+- training (`train_forward`): many anchored blocks of one sequence in one pass; block b sees the
+  context before its anchor and its own block, never another block;
+- inference (`propose`): one block per request against a draft context cache holding the projected,
+  normalised and rotated context keys/values of every draft layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dspark_jax.config import DrafterConfig, TargetConfig
+from dspark_jax.layers import NEG_INF, project_qkv, rms_norm, rope, swiglu
+from dspark_jax.params import ArrayInfo
+from dspark_jax.target import lm_head, target_spec
+
+
+def layer_config(tcfg: TargetConfig, dcfg: DrafterConfig) -> TargetConfig:
+    """The draft layers' shapes: the target's, with `num_draft_layers` layers."""
+    return dataclasses.replace(tcfg, num_hidden_layers=dcfg.num_draft_layers, target_layer_ids=(),
+                               dtype="float32")
+
+
+def drafter_spec(tcfg: TargetConfig, dcfg: DrafterConfig) -> dict:
+    """ArrayInfo tree of the drafter's own (trainable, float32 master) weights."""
+    d, m, r, V = tcfg.hidden_size, tcfg.num_taps, dcfg.markov_rank, tcfg.vocab_size
+    f32 = jnp.float32
+    spec = {
+        "fc": ArrayInfo((m * d, d), f32, ("taps", "embed")),
+        "hidden_norm": ArrayInfo((d,), f32, ("norm",), "ones"),
+        "layers": target_spec(layer_config(tcfg, dcfg))["layers"],
+        "final_norm": ArrayInfo((d,), f32, ("norm",), "ones"),
+    }
+    if dcfg.has_markov:
+        spec["markov_w1"] = ArrayInfo((V, r), f32, ("vocab", "rank"))
+        spec["markov_w2"] = ArrayInfo((r, V), f32, ("rank", "vocab"))
+        if dcfg.markov_head_type == "gated":
+            spec["markov_gate_w"] = ArrayInfo((d + r, r), f32, (None, "rank"))
+            spec["markov_gate_b"] = ArrayInfo((r,), f32, ("rank",), "zeros")
+        elif dcfg.markov_head_type == "rnn":
+            spec["markov_joint_w"] = ArrayInfo((2 * r + d, 3 * r), f32, (None, "rank"))
+            spec["markov_joint_b"] = ArrayInfo((3 * r,), f32, ("rank",), "zeros")
+    if dcfg.enable_confidence_head:
+        width = d + (r if dcfg.conf_uses_markov else 0)
+        spec["conf_w"] = ArrayInfo((width,), f32, (None,))
+        spec["conf_b"] = ArrayInfo((1,), f32, (None,), "zeros")
+    return spec
+
+
+def cast_compute(dparams, dcfg: DrafterConfig):
+    """Weights in the compute dtype; norms stay float32."""
+    dt = jnp.dtype(dcfg.dtype)
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: x if "norm" in jax.tree_util.keystr(p) else x.astype(dt), dparams)
+
+
+# ----------------------------------------------------------------------------- backbone
+
+
+def context_features(dparams, tcfg: TargetConfig, taps_bsm: jax.Array) -> jax.Array:
+    """H_ctx = RMSNorm_hidden(W_fc [H(l_1); ...; H(l_m)]): [B, S, m*d] -> [B, S, d]."""
+    h = jnp.einsum("bsm,md->bsd", taps_bsm.astype(dparams["fc"].dtype), dparams["fc"])
+    return rms_norm(h, dparams["hidden_norm"], tcfg.rms_norm_eps)
+
+
+def context_kv(layer, tcfg: TargetConfig, h_ctx_bsd: jax.Array, pos_bs: jax.Array):
+    """One draft layer's context keys (k_norm, RoPE at their own positions) and values."""
+    k = rms_norm(jnp.einsum("bsd,dkh->bskh", h_ctx_bsd, layer["wk"]), layer["k_norm"],
+                 tcfg.rms_norm_eps)
+    v = jnp.einsum("bsd,dkh->bskh", h_ctx_bsd, layer["wv"])
+    return rope(k, pos_bs, tcfg.rope_theta), v
+
+
+def _block_attention(q_bntnh, k_ctx_bskh, v_ctx_bskh, k_blk_bntkh, v_blk_bntkh, ctx_mask_bns):
+    """Block queries attend to the visible context and, bidirectionally, to their own block."""
+    B, N, T, n, h = q_bntnh.shape
+    K = k_ctx_bskh.shape[2]
+    q = q_bntnh.reshape(B, N, T, K, n // K, h)
+    scale = h ** -0.5
+    s_ctx = jnp.einsum("bntkgh,bskh->bnkgts", q, k_ctx_bskh, preferred_element_type=jnp.float32)
+    s_ctx = jnp.where(ctx_mask_bns[:, :, None, None, None, :], s_ctx * scale, NEG_INF)
+    s_blk = jnp.einsum("bntkgh,bnukh->bnkgtu", q, k_blk_bntkh,
+                       preferred_element_type=jnp.float32) * scale
+    S = s_ctx.shape[-1]
+    probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1)
+    probs = probs.astype(v_ctx_bskh.dtype)
+    out = (jnp.einsum("bnkgts,bskh->bntkgh", probs[..., :S], v_ctx_bskh)
+           + jnp.einsum("bnkgtu,bnukh->bntkgh", probs[..., S:], v_blk_bntkh))
+    return out.reshape(B, N, T, n, h)
+
+
+def backbone(dparams, tcfg: TargetConfig, x_bntd: jax.Array, pos_bnt: jax.Array,
+             ctx_mask_bns: jax.Array, *, h_ctx: jax.Array | None = None,
+             ctx_pos: jax.Array | None = None, cache: "DraftCache | None" = None) -> jax.Array:
+    """Draft layers + final norm over embedded blocks; context from `h_ctx` (training) or `cache`."""
+    B, N, T, d = x_bntd.shape
+    eps = tcfg.rms_norm_eps
+    flat_pos = pos_bnt.reshape(B, N * T)
+
+    def layer_step(x, xs):
+        layer, kv = xs
+        if kv is None:
+            k_ctx, v_ctx = context_kv(layer, tcfg, h_ctx, ctx_pos)
+        else:
+            k_ctx, v_ctx = kv
+        xf = x.reshape(B, N * T, d)
+        q, k, v = project_qkv(rms_norm(xf, layer["attn_norm"], eps), layer, eps)
+        q, k = rope(q, flat_pos, tcfg.rope_theta), rope(k, flat_pos, tcfg.rope_theta)
+        split = lambda a: a.reshape(B, N, T, *a.shape[2:])
+        out = _block_attention(split(q), k_ctx, v_ctx, split(k), split(v), ctx_mask_bns)
+        x = x + jnp.einsum("bntqh,qhd->bntd", out, layer["wo"])
+        x = x + swiglu(rms_norm(x, layer["mlp_norm"], eps).reshape(B, N * T, d), layer["w_gate"],
+                       layer["w_up"], layer["w_down"]).reshape(B, N, T, d)
+        return x, None
+
+    kv = None if cache is None else (cache.k, cache.v)
+    x, _ = jax.lax.scan(layer_step, x_bntd, (dparams["layers"], kv))
+    return rms_norm(x, dparams["final_norm"], eps)
+
+
+def embed_blocks(target_params, tcfg: TargetConfig, anchor_tokens: jax.Array, block_size: int,
+                 dtype) -> jax.Array:
+    """[anchor, MASK x (T-1)] embedded with the target's frozen embedding: [..., T, d]."""
+    masks = jnp.full(anchor_tokens.shape + (block_size - 1,), tcfg.mask_token_id, jnp.int32)
+    tokens = jnp.concatenate([anchor_tokens[..., None].astype(jnp.int32), masks], axis=-1)
+    return target_params["embed"][tokens].astype(dtype)
+
+
+# ----------------------------------------------------------------------------- heads
+
+
+def head_init_state(dcfg: DrafterConfig, batch_shape: tuple[int, ...]) -> jax.Array:
+    """The rnn head's state (zeros at block start); an empty placeholder for other heads."""
+    width = dcfg.markov_rank if dcfg.markov_head_type == "rnn" and dcfg.has_markov else 0
+    return jnp.zeros(batch_shape + (width,), jnp.float32)
+
+
+def head_step(dparams, dcfg: DrafterConfig, h_d: jax.Array, prev: jax.Array, state: jax.Array):
+    """One block position: Markov bias [..., V] (or None), confidence logit [...] (or None), state.
+
+    `h_d` is the backbone output at position k, `prev` the token x_{k-1} before it.
+    """
+    bias, conf = None, None
+    e = None
+    if dcfg.has_markov:
+        e = dparams["markov_w1"][prev].astype(jnp.float32)  # [..., r]
+        h32 = h_d.astype(jnp.float32)
+        kind = dcfg.markov_head_type
+        if kind == "vanilla":
+            u = e
+        elif kind == "gated":
+            gate = jax.nn.sigmoid(jnp.concatenate([h32, e], -1) @ dparams["markov_gate_w"]
+                                  + dparams["markov_gate_b"])
+            u = gate * e
+        else:  # rnn: the output uses the old state; the new one serves the next position
+            z = jnp.concatenate([state, e, h32], -1) @ dparams["markov_joint_w"] + dparams["markov_joint_b"]
+            g, c, o = jnp.split(z, 3, axis=-1)
+            u = jnp.tanh(o)
+            state = jax.nn.sigmoid(g) * state + (1 - jax.nn.sigmoid(g)) * jnp.tanh(c)
+        bias = u @ dparams["markov_w2"].astype(jnp.float32)
+    if dcfg.enable_confidence_head:
+        feats = h_d.astype(jnp.float32)
+        if dcfg.conf_uses_markov:
+            feats = jnp.concatenate([feats, e], -1)
+        conf = feats @ dparams["conf_w"] + dparams["conf_b"][0]
+    return bias, conf, state
+
+
+def heads_teacher_forced(dparams, dcfg: DrafterConfig, h_bntd: jax.Array, prev_bnt: jax.Array):
+    """Markov bias [B,N,T,V] (None without head) and confidence logits [B,N,T] (None)."""
+    B, N, T, _ = h_bntd.shape
+
+    def step(state, xs):
+        h, prev = xs
+        bias, conf, state = head_step(dparams, dcfg, h, prev, state)
+        return state, (bias, conf)
+
+    xs = (jnp.moveaxis(h_bntd, 2, 0), jnp.moveaxis(prev_bnt, 2, 0))
+    _, (bias, conf) = jax.lax.scan(step, head_init_state(dcfg, (B, N)), xs)
+    bias = None if bias is None else jnp.moveaxis(bias, 0, 2)
+    conf = None if conf is None else jnp.moveaxis(conf, 0, 2)
+    return bias, conf
+
+
+# ----------------------------------------------------------------------------- training path
+
+
+@struct.dataclass
+class TrainBlocks:
+    logits: jax.Array  # [B,N,T,V] float32 Markov-corrected draft logits
+    conf_logits: jax.Array | None  # [B,N,T] pre-sigmoid confidence
+    labels: jax.Array  # [B,N,T] ground-truth next tokens
+    eval_mask: jax.Array  # [B,N,T] bool prefix-valid supervision
+    aligned_index: jax.Array  # [B,N,T] sequence position whose target logits predict the label
+
+
+def block_targets(input_ids: jax.Array, loss_mask: jax.Array, anchors: jax.Array,
+                  anchor_keep: jax.Array, block_size: int):
+    """Labels, prefix-valid eval mask and aligned target positions of anchored blocks.
+
+    Output k of the block at anchor p predicts position p+k+1; it is supervised while that position
+    exists and every label up to it is in the loss mask. Dummy anchors supervise nothing.
+    """
+    L = input_ids.shape[1]
+    raw = anchors[..., None] + 1 + jnp.arange(block_size)  # [B,N,T]
+    label_index = jnp.where(anchor_keep[..., None], jnp.minimum(raw, L - 1), 0)
+    labels = jnp.take_along_axis(input_ids[:, None, :], label_index, axis=2)
+    supervised = (raw < L) & jnp.take_along_axis(loss_mask[:, None, :].astype(bool), label_index, 2)
+    eval_mask = (jnp.cumprod(supervised.astype(jnp.int32), axis=-1) > 0) & anchor_keep[..., None]
+    return labels, eval_mask, jnp.maximum(label_index - 1, 0)
+
+
+def train_forward(dparams, target_params, tcfg: TargetConfig, dcfg: DrafterConfig,
+                  input_ids: jax.Array, loss_mask: jax.Array, taps: jax.Array,
+                  anchors: jax.Array, anchor_keep: jax.Array) -> TrainBlocks:
+    """All anchored blocks of each sequence in one pass, teacher-forced.
+
+    input_ids/loss_mask [B, L]; taps [B, L, m*d] (target features); anchors/anchor_keep [B, N].
+    """
+    T = dcfg.block_size
+    dp = cast_compute(dparams, dcfg)
+    B, L = input_ids.shape
+    labels, eval_mask, aligned = block_targets(input_ids, loss_mask, anchors, anchor_keep, T)
+    anchor_tokens = jnp.take_along_axis(input_ids, anchors, axis=1)  # [B,N]
+    x = embed_blocks(target_params, tcfg, anchor_tokens, T, jnp.dtype(dcfg.dtype))
+    pos = anchors[..., None] + jnp.arange(T)
+    ctx_pos = jnp.broadcast_to(jnp.arange(L), (B, L))
+    ctx_mask = ctx_pos[:, None, :] < anchors[..., None]  # block b sees context before its anchor
+    h_ctx = context_features(dp, tcfg, taps)
+    h = backbone(dp, tcfg, x, pos, ctx_mask, h_ctx=h_ctx, ctx_pos=ctx_pos)
+    logits = lm_head(target_params, tcfg, h.astype(target_params["embed"].dtype))
+    prev = jnp.concatenate([anchor_tokens[..., None], labels[..., :-1]], axis=-1)
+    bias, conf = heads_teacher_forced(dparams, dcfg, h, prev)
+    if bias is not None:
+        logits = logits + bias
+    return TrainBlocks(logits=logits, conf_logits=conf, labels=labels, eval_mask=eval_mask,
+                       aligned_index=aligned)
+
+
+# ----------------------------------------------------------------------------- inference path
+
+
+@struct.dataclass
+class DraftCache:
+    """Per draft layer, the context keys (normed, rotated) and values; slot s = position s."""
+
+    k: jax.Array  # [Ld, B, S, K, h]
+    v: jax.Array  # [Ld, B, S, K, h]
+
+    @classmethod
+    def create(cls, tcfg: TargetConfig, dcfg: DrafterConfig, batch: int, max_len: int) -> "DraftCache":
+        shape = (dcfg.num_draft_layers, batch, max_len, tcfg.num_key_value_heads, tcfg.head_dim)
+        zeros = jnp.zeros(shape, jnp.dtype(dcfg.dtype))
+        return cls(k=zeros, v=zeros)
+
+
+def extend_context(dparams, tcfg: TargetConfig, dcfg: DrafterConfig, cache: DraftCache,
+                   taps: jax.Array, positions: jax.Array, valid: jax.Array) -> DraftCache:
+    """Writes the projected context of new target features [B, T, m*d] at `positions` [B, T]."""
+    dp = cast_compute(dparams, dcfg)
+    h_ctx = context_features(dp, tcfg, taps)
+    S = cache.k.shape[2]
+    write = jnp.where(valid, positions, S)  # out of range: dropped
+    rows = jnp.arange(taps.shape[0])[:, None]
+
+    def per_layer(layer):
+        return context_kv(layer, tcfg, h_ctx, positions)
+
+    k_new, v_new = jax.vmap(per_layer)(dp["layers"])  # [Ld,B,T,K,h]
+    k = cache.k.at[:, rows, write].set(k_new.astype(cache.k.dtype), mode="drop")
+    v = cache.v.at[:, rows, write].set(v_new.astype(cache.v.dtype), mode="drop")
+    return DraftCache(k=k, v=v)
+
+
+@struct.dataclass
+class Proposal:
+    tokens: jax.Array  # [B,T] int32 draft tokens d_1..d_T
+    probs: jax.Array  # [B,T,V] float32 distributions the tokens were sampled from (q_k)
+    conf_logits: jax.Array  # [B,T] pre-sigmoid confidence (zeros without a confidence head)
+    base_logits: jax.Array  # [B,T,V] float32 backbone logits before the Markov head
+    hidden: jax.Array  # [B,T,d] backbone output
+
+
+def draft_distribution(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+    """softmax(logits / T) per row; one-hot argmax where T == 0 (greedy)."""
+    greedy = temperature <= 0
+    safe_t = jnp.where(greedy, 1.0, temperature)[..., None]
+    soft = jax.nn.softmax(logits / safe_t, axis=-1)
+    hard = jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=soft.dtype)
+    return jnp.where(greedy[..., None], hard, soft)
+
+
+def propose(dparams, target_params, tcfg: TargetConfig, dcfg: DrafterConfig, cache: DraftCache,
+            anchor: jax.Array, anchor_pos: jax.Array, temperature: jax.Array,
+            key: jax.Array) -> Proposal:
+    """One block per request: draft tokens sampled left to right through the Markov head.
+
+    anchor/anchor_pos/temperature [B]: the last committed token, its position (the context cache
+    holds positions < anchor_pos) and the sampling temperature (0 = greedy).
+    """
+    T = dcfg.block_size
+    dp = cast_compute(dparams, dcfg)
+    B = anchor.shape[0]
+    S = cache.k.shape[2]
+    x = embed_blocks(target_params, tcfg, anchor[:, None], T, jnp.dtype(dcfg.dtype))  # [B,1,T,d]
+    pos = anchor_pos[:, None, None] + jnp.arange(T)
+    ctx_mask = jnp.arange(S)[None, None, :] < anchor_pos[:, None, None]
+    h = backbone(dp, tcfg, x, pos, ctx_mask, cache=cache)[:, 0]  # [B,T,d]
+    base = lm_head(target_params, tcfg, h.astype(target_params["embed"].dtype))  # [B,T,V]
+
+    def step(carry, xs):
+        prev, state = carry
+        h_k, base_k, key_k = xs
+        bias, conf, state = head_step(dparams, dcfg, h_k, prev, state)
+        logits = base_k if bias is None else base_k + bias
+        probs = draft_distribution(logits, temperature)
+        logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
+        sampled = jax.random.categorical(key_k, logp, axis=-1)
+        token = jnp.where(temperature <= 0, jnp.argmax(logits, -1), sampled).astype(jnp.int32)
+        conf = jnp.zeros((B,), jnp.float32) if conf is None else conf
+        return (token, state), (token, probs, conf)
+
+    keys = jax.random.split(key, T)
+    xs = (jnp.moveaxis(h, 1, 0), jnp.moveaxis(base, 1, 0), keys)
+    init = (anchor.astype(jnp.int32), head_init_state(dcfg, (B,)))
+    _, (tokens, probs, conf) = jax.lax.scan(step, init, xs)
+    return Proposal(tokens=tokens.T, probs=jnp.moveaxis(probs, 0, 1), conf_logits=conf.T,
+                    base_logits=base, hidden=h)
