@@ -146,12 +146,53 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Drafter training (defaults: the released DeepSpec runs, DESIGN §10)."""
+
+    target_dir: str = ""  # Hugging Face Qwen3 directory; "" = random target (smoke runs, benchmarks)
+    data_file: str = ""  # JSONL conversations
+    tokenizer_dir: str = ""  # "" = target_dir
+    workdir: str = "runs/drafter"
+    max_length: int = 4096
+    global_batch_size: int = 512
+    epochs: float = 10.0
+    max_steps: int = 0  # > 0 overrides epochs
+    learning_rate: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    adam_b1: float = 0.9
+    adam_b2: float = 0.95
+    seed: int = 0
+    loss: LossConfig = LossConfig()
+    log_every: int = 10
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 3
+    async_checkpointing: bool = True
+
+    def __post_init__(self):
+        for name in ("max_length", "global_batch_size", "log_every", "checkpoint_every",
+                     "keep_checkpoints"):
+            _require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        _require(self.max_steps >= 0, "max_steps", f"must be >= 0, got {self.max_steps}")
+        _require(self.epochs > 0 or self.max_steps > 0, "epochs", "set epochs > 0 or max_steps > 0")
+        _require(self.learning_rate > 0, "learning_rate", f"must be positive, got {self.learning_rate}")
+        _require(0 <= self.warmup_ratio < 1, "warmup_ratio", f"must be in [0, 1), got {self.warmup_ratio}")
+        _require(self.grad_clip > 0, "grad_clip", f"must be positive, got {self.grad_clip}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """A whole run: target, drafter, device mesh (and training, when training)."""
 
     target: TargetConfig
     drafter: DrafterConfig = DrafterConfig()
     mesh: MeshConfig = MeshConfig()
+    train: TrainConfig = TrainConfig()
+
+    def __post_init__(self):
+        _require(self.train.max_length > self.drafter.block_size, "train.max_length",
+                 f"{self.train.max_length} must exceed drafter.block_size {self.drafter.block_size}")
 
 
 # ----------------------------------------------------------------------------- generic machinery

@@ -51,3 +51,48 @@ def hf_models(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]  # ids 0..3
+
+
+def build_bpe_tokenizer(directory: Path, texts, vocab_size: int) -> Path:
+    """Trains a byte-level BPE tokenizer.json whose first ids are SPECIAL_TOKENS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(list(texts) + ["user assistant system"], trainer=trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory):
+    """(target dir, data file): a random Qwen3 with the `tiny` preset's shapes, a BPE tokenizer
+    trained on synthetic chat data (mask token id 3, as the preset says), and that data."""
+    import json
+
+    from dspark_jax.config import load_config, preset_path
+    from dspark_jax.data import write_synthetic_conversations
+
+    root = tmp_path_factory.mktemp("tiny_target")
+    data = write_synthetic_conversations(root / "train.jsonl", 96, seed=0)
+    texts = [m["content"] for line in data.read_text().splitlines()
+             for m in json.loads(line)["conversations"]]
+    t = load_config(preset_path("tiny")).target
+    target = make_hf_qwen3(root / "target", seed=11, vocab=t.vocab_size, hidden=t.hidden_size,
+                           layers=t.num_hidden_layers, heads=t.num_attention_heads,
+                           kv_heads=t.num_key_value_heads, head_dim=t.head_dim,
+                           intermediate=t.intermediate_size)
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["rope_parameters"]["rope_theta"] = t.rope_theta
+    cfg["max_position_embeddings"] = t.max_position_embeddings
+    (target / "config.json").write_text(json.dumps(cfg))
+    build_bpe_tokenizer(target, texts, vocab_size=t.vocab_size)
+    return target, data

@@ -1,0 +1,108 @@
+"""The jitted drafter train step: frozen target forward, drafter forward/backward, AdamW update.
+
+The target runs once per sequence without gradient; its lm_head is applied only at the positions
+the blocks supervise (never a [batch, seq, vocab] tensor). Master weights are float32; the target
+and the drafter compute in their configured dtypes. Everything is sharded by the mesh: the batch over
+(data, fsdp), parameters by their logical axes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dspark_jax.config import Config
+from dspark_jax.drafter import drafter_spec, train_forward
+from dspark_jax.losses import drafter_loss
+from dspark_jax.params import init_params, map_infos, shardings
+from dspark_jax.target import forward, lm_head
+
+BATCH_AXES = ("data", "fsdp")
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar
+    params: Any  # drafter params, float32
+    opt_state: Any
+
+
+def make_optimizer(cfg: Config, total_steps: int) -> optax.GradientTransformation:
+    """AdamW with linear warmup then cosine decay to 0, after global-norm clipping."""
+    t = cfg.train
+    warmup = int(round(t.warmup_ratio * total_steps))
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=t.learning_rate, warmup_steps=warmup,
+        decay_steps=max(total_steps, warmup + 1), end_value=0.0)
+    return optax.chain(optax.clip_by_global_norm(t.grad_clip),
+                       optax.adamw(schedule, b1=t.adam_b1, b2=t.adam_b2,
+                                   weight_decay=t.weight_decay))
+
+
+def init_state(cfg: Config, optimizer, key: jax.Array, mesh: Mesh | None = None) -> TrainState:
+    """Random drafter params (sharded on `mesh`) and a fresh optimizer state."""
+    params = init_params(drafter_spec(cfg.target, cfg.drafter), key, mesh)
+    opt_state = jax.jit(optimizer.init)(params)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+    if mesh is None:
+        return state
+    # Scalars (step, Adam's count) replicated on the mesh, so the state the step returns has the
+    # same shardings as the one it was given: no recompilation on the second step.
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.device_put(state, jax.tree.map(
+        lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated, state))
+
+
+def state_shardings(state: TrainState):
+    return jax.tree.map(lambda x: x.sharding, state)
+
+
+def loss_fn(dparams, target_params, batch, cfg: Config):
+    tcfg, dcfg = cfg.target, cfg.drafter
+    ids = batch["input_ids"]
+    B, L = ids.shape
+    target_params = jax.lax.stop_gradient(target_params)
+    positions = jnp.broadcast_to(jnp.arange(L), (B, L))
+    out = forward(target_params, tcfg, ids, positions, compute_logits=False)
+    blocks = train_forward(dparams, target_params, tcfg, dcfg, ids, batch["loss_mask"], out.taps,
+                           batch["anchors"], batch["anchor_keep"])
+    _, N, T = blocks.labels.shape
+    aligned = jnp.take_along_axis(out.hidden, blocks.aligned_index.reshape(B, N * T)[..., None], 1)
+    target_logits = lm_head(target_params, tcfg, aligned).reshape(B, N, T, -1)
+    return drafter_loss(blocks.logits, blocks.conf_logits, target_logits, blocks.labels,
+                        blocks.eval_mask, cfg.train.loss)
+
+
+def make_train_step(cfg: Config, optimizer, state_sharding=None
+                    ) -> Callable[[TrainState, Any, dict], tuple[TrainState, dict]]:
+    """jit(step)(state, target_params, batch) -> (state, metrics); the state is donated."""
+
+    def step(state: TrainState, target_params, batch):
+        grad_fn = jax.grad(loss_fn, has_aux=True)
+        grads, metrics = grad_fn(state.params, target_params, batch, cfg)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics["grad_norm"] = optax.global_norm(grads)
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    out_shardings = None if state_sharding is None else (state_sharding, None)
+    return jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+
+
+def describe_params(spec, mesh: Mesh) -> list[str]:
+    """One line per parameter: name, shape, dtype, partition spec (for run logs)."""
+    shard = shardings(spec, mesh)
+    lines = []
+    map_infos(lambda name, i: lines.append(f"{name} {i.shape} {jnp.dtype(i.dtype).name}"), spec)
+    specs = [str(s.spec) for s in jax.tree.leaves(shard)]
+    return [f"{line} {s}" for line, s in zip(lines, specs)]
+

@@ -1,0 +1,251 @@
+"""The drafter training run: setup, orbax checkpoints with exact resume, and the step loop.
+
+The library never prints: `run` reports through a `log` callback and checks a `should_stop` callback
+between steps (the command line turns SIGTERM/SIGINT into that). Metrics of step N are read back
+while step N+1 runs, so logging never stalls the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from dspark_jax import hf_checkpoint
+from dspark_jax.config import Config, from_dict, to_dict
+from dspark_jax.data import BatchIterator, load_conversations, make_global_batch
+from dspark_jax.drafter import drafter_spec
+from dspark_jax.errors import CheckpointError, ConfigError, DSparkError
+from dspark_jax.params import abstract, count_params, init_params
+from dspark_jax.sharding import describe_mesh, make_mesh
+from dspark_jax.target import target_spec
+from dspark_jax.tokenizer import load_tokenizer
+from dspark_jax.train_step import (TrainState, describe_params, init_state, make_optimizer,
+                                   make_train_step, state_shardings)
+
+# Config sections that must not change between a checkpoint and its resume.
+MODEL_SECTIONS = ("target", "drafter")
+
+
+class TrainingError(DSparkError):
+    """Training cannot go on (non-finite loss, ...); the last good checkpoint is intact."""
+
+
+@dataclasses.dataclass
+class Setup:
+    cfg: Config
+    mesh: Any
+    target_params: Any
+    iterator: BatchIterator
+    total_steps: int
+    optimizer: Any
+    data_stats: dict
+
+
+def load_target_for(cfg: Config, mesh):
+    """The frozen target: a Hugging Face directory (architecture must match the config's target
+    section), or random weights when `train.target_dir` is empty."""
+    t = cfg.target
+    if not cfg.train.target_dir:
+        return cfg, init_params(target_spec(t), jax.random.key(cfg.train.seed + 1), mesh)
+    tcfg, params = hf_checkpoint.load_target(
+        cfg.train.target_dir, mesh=mesh, target_layer_ids=list(t.target_layer_ids),
+        mask_token_id=t.mask_token_id, dtype=t.dtype)
+    diff = [f"target.{f.name}: config {getattr(t, f.name)} != checkpoint {getattr(tcfg, f.name)}"
+            for f in dataclasses.fields(t) if getattr(t, f.name) != getattr(tcfg, f.name)]
+    if diff:
+        raise ConfigError(f"{cfg.train.target_dir}/config.json does not match the config's target "
+                          "section: " + "; ".join(diff))
+    return cfg, params
+
+
+def setup(cfg: Config) -> Setup:
+    mesh = make_mesh(cfg.mesh)
+    cfg, target_params = load_target_for(cfg, mesh)
+    tok_dir = cfg.train.tokenizer_dir or cfg.train.target_dir
+    if not cfg.train.data_file:
+        raise ConfigError("train.data_file: required (a JSONL file of conversations)")
+    if not tok_dir:
+        raise ConfigError("train.tokenizer_dir: required when train.target_dir is empty")
+    tokenizer = load_tokenizer(tok_dir)
+    if tokenizer.vocab_size > cfg.target.vocab_size:
+        raise ConfigError(f"{tok_dir}: tokenizer has {tokenizer.vocab_size} tokens, more than "
+                          f"target.vocab_size {cfg.target.vocab_size}")
+    dataset = load_conversations(cfg.train.data_file, tokenizer, max_length=cfg.train.max_length,
+                                 min_length=cfg.drafter.block_size + 1)
+    iterator = BatchIterator(dataset, global_batch_size=cfg.train.global_batch_size,
+                             num_anchors=cfg.drafter.num_anchors, block_size=cfg.drafter.block_size,
+                             seed=cfg.train.seed, process_index=jax.process_index(),
+                             process_count=jax.process_count())
+    total = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * iterator.steps_per_epoch))
+    return Setup(cfg=cfg, mesh=mesh, target_params=target_params, iterator=iterator,
+                 total_steps=total, optimizer=make_optimizer(cfg, total),
+                 data_stats=dataset.stats.as_dict())
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def checkpoint_manager(cfg: Config) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=cfg.train.keep_checkpoints, save_interval_steps=cfg.train.checkpoint_every,
+        enable_async_checkpointing=cfg.train.async_checkpointing, create=True)
+    return ocp.CheckpointManager(Path(cfg.train.workdir).absolute() / "checkpoints",
+                                 options=options, item_names=("state", "data", "config"))
+
+
+def save_checkpoint(mngr: ocp.CheckpointManager, state: TrainState, data_state: dict,
+                    cfg: Config, *, force: bool = False) -> bool:
+    step = int(jax.device_get(state.step))
+    return mngr.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+        config=ocp.args.JsonSave(to_dict(cfg))), force=force)
+
+
+def check_resumable(saved: dict, cfg: Config, where: str) -> None:
+    """A resumed run must have the model it was saved with."""
+    now = to_dict(cfg)
+    diff = []
+    for section in MODEL_SECTIONS:
+        for key in sorted(set(saved.get(section, {})) | set(now[section])):
+            a, b = saved.get(section, {}).get(key), now[section].get(key)
+            if a != b:
+                diff.append(f"{section}.{key}: checkpoint {a!r}, now {b!r}")
+    if diff:
+        raise ConfigError(f"{where}: cannot resume with a changed model config: " + "; ".join(diff))
+
+
+def restore_checkpoint(mngr: ocp.CheckpointManager, template: TrainState, cfg: Config,
+                       step: int | None = None):
+    """(state, data_state, step) of `step` (default: the latest complete one), or None."""
+    step = mngr.latest_step() if step is None else step
+    if step is None:
+        return None
+    where = f"{mngr.directory}/{step}"
+    saved_cfg = mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
+    check_resumable(saved_cfg, cfg, where)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          template)
+    restored = mngr.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
+    return restored.state, restored.data, step
+
+
+def load_drafter_params(workdir: str | Path, step: int | None = None):
+    """(Config, drafter params, step) from a training workdir's orbax checkpoint."""
+    directory = Path(workdir).absolute() / "checkpoints"
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: no checkpoints (is {workdir} a training workdir?)")
+    mngr = ocp.CheckpointManager(directory, item_names=("state", "data", "config"))
+    steps = mngr.all_steps()
+    step = steps[-1] if step is None and steps else step
+    if step is None or step not in steps:
+        raise CheckpointError(f"{directory}: step {step} not found; available steps {list(steps)}")
+    cfg = from_dict(Config, mngr.restore(step, args=ocp.args.Composite(
+        config=ocp.args.JsonRestore())).config)
+    spec = drafter_spec(cfg.target, cfg.drafter)
+    restored = mngr.restore(step, args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(partial_restore=True, item={"params": abstract(spec)})))
+    mngr.close()
+    return cfg, restored.state["params"], step
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+@dataclasses.dataclass
+class StepLog:
+    step: int
+    metrics: dict[str, Any]  # floats, or lists for per-position metrics
+    tokens_per_s: float
+    eta_s: float
+
+
+def _host_metrics(metrics) -> dict[str, Any]:
+    host = jax.device_get(metrics)
+    return {k: (v.tolist() if np.ndim(v) else float(v)) for k, v in host.items()}
+
+
+def run(cfg: Config, *, log: Callable[[str], None] = lambda s: None,
+        on_step: Callable[[StepLog], None] = lambda s: None,
+        should_stop: Callable[[], bool] = lambda: False) -> dict:
+    """Trains until the step budget, a stop request or an error; returns a summary dict."""
+    s = setup(cfg)
+    cfg = s.cfg
+    log(f"{describe_mesh(s.mesh)}; jax {jax.__version__}; {jax.process_count()} processes")
+    log(f"data: {s.data_stats}; {s.iterator.steps_per_epoch} steps/epoch; {s.total_steps} steps")
+    state = init_state(cfg, s.optimizer, jax.random.key(cfg.train.seed), s.mesh)
+    log(f"drafter: {count_params(state.params) / 1e6:.2f}M params; target: "
+        f"{count_params(s.target_params) / 1e6:.2f}M params (frozen)")
+    for line in describe_params(drafter_spec(cfg.target, cfg.drafter), s.mesh):
+        log("  " + line)
+    shard = state_shardings(state)
+    mngr = checkpoint_manager(cfg)
+    resumed = restore_checkpoint(mngr, state, cfg)
+    if resumed is not None:
+        state, data_state, step = resumed
+        s.iterator.restore(data_state)
+        log(f"resumed from {mngr.directory}/{step}")
+    step_fn = make_train_step(cfg, s.optimizer, shard)
+    start_step = int(jax.device_get(state.step))
+    tokens_per_step = cfg.train.global_batch_size * cfg.train.max_length
+    pending: list[tuple[int, Any]] = []  # (step, device metrics) not yet checked on the host
+    last_good = mngr.latest_step()
+    t0, timed_steps, last, last_step = None, 0, {}, start_step
+
+    def check(items):
+        """Reads metrics back; a non-finite loss stops the run before anything is saved."""
+        nonlocal last, last_step
+        for step_no, m in items:
+            host = _host_metrics(m)
+            if not np.isfinite(host["loss"]):
+                raise TrainingError(f"non-finite loss {host['loss']} at step {step_no}; stopping. "
+                                    f"Last good checkpoint: step {last_good} in {mngr.directory}")
+            last, last_step = host, step_no
+
+    def drain():
+        check(pending)
+        pending.clear()
+
+    stopped = "done"
+    try:
+        for step in range(start_step, s.total_steps):
+            if should_stop():
+                stopped = "signal"
+                break
+            batch = make_global_batch(next(s.iterator), s.mesh)
+            state, metrics = step_fn(state, s.target_params, batch)
+            pending.append((step + 1, metrics))
+            if step == start_step:  # the first step includes compilation
+                jax.block_until_ready(metrics)
+                t0 = time.perf_counter()
+            else:
+                timed_steps += 1
+            if (step + 1) % cfg.train.log_every == 0 and len(pending) > 1:
+                # Report the previous step's metrics (ready by now) while this one runs.
+                check(pending[:-1])
+                del pending[:-1]
+                rate = timed_steps / max(time.perf_counter() - t0, 1e-9) if t0 else 0.0
+                on_step(StepLog(step=last_step, metrics=last, tokens_per_s=rate * tokens_per_step,
+                                eta_s=(s.total_steps - step - 1) / rate if rate else float("nan")))
+            if (step + 1) % cfg.train.checkpoint_every == 0 or step + 1 == s.total_steps:
+                drain()  # never save a state whose loss went non-finite
+                save_checkpoint(mngr, state, s.iterator.state(), cfg, force=True)
+                last_good = step + 1
+        drain()
+        if stopped == "signal" and int(jax.device_get(state.step)) != (mngr.latest_step() or 0):
+            save_checkpoint(mngr, state, s.iterator.state(), cfg, force=True)
+            log(f"stop requested: saved step {int(jax.device_get(state.step))}")
+    finally:
+        mngr.wait_until_finished()
+        mngr.close()
+    return {"step": int(jax.device_get(state.step)), "stopped": stopped, "last_metrics": last,
+            "workdir": str(Path(cfg.train.workdir).absolute())}
+

@@ -1,0 +1,83 @@
+"""Train a DSpark (or DFlash) drafter against a frozen target.
+
+    python -m train.drafter --config configs/dspark-qwen3-8b.yaml train.target_dir=/ckpt/Qwen3-8B \
+        train.data_file=data.jsonl train.workdir=runs/dspark-8b [more key=value overrides]
+
+Prints a progress line every `train.log_every` steps, writes TensorBoard scalars to WORKDIR/tb and
+orbax checkpoints to WORKDIR/checkpoints; rerunning the same command resumes exactly. SIGTERM or
+SIGINT saves a checkpoint and exits cleanly; a non-finite loss stops with an error and leaves the
+last good checkpoint intact.
+"""
+
+import argparse
+import math
+import signal
+import sys
+
+from dspark_jax.config import load_config, preset_path
+from dspark_jax.errors import DSparkError
+
+
+def format_metrics(m: dict) -> str:
+    parts = [f"loss {m['loss']:.4f}", f"ce {m['loss_ce']:.4f}", f"tv {m['loss_tv']:.4f}"]
+    if "loss_confidence" in m:
+        parts.append(f"conf {m['loss_confidence']:.4f}")
+    acc = m["accept_rate"]
+    parts.append(f"acc@0 {acc[0]:.3f} acc@{len(acc) - 1} {acc[-1]:.3f} tau {m['tau_prob']:.2f}")
+    return " | ".join(parts)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="YAML preset (a path or a name in configs/)")
+    ap.add_argument("overrides", nargs="*", help="section.key=value")
+    args = ap.parse_args(argv)
+
+    import jax
+    from tensorboardX import SummaryWriter
+
+    from dspark_jax import trainer
+
+    stop = {"requested": False}
+
+    def request_stop(signum, frame):
+        if stop["requested"]:  # a second signal: give up at once
+            raise KeyboardInterrupt
+        stop["requested"] = True
+        print(f"\n{signal.Signals(signum).name}: saving a checkpoint and exiting", flush=True)
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    try:
+        cfg = load_config(preset_path(args.config), args.overrides)
+        lead = jax.process_index() == 0
+        writer = SummaryWriter(f"{cfg.train.workdir}/tb") if lead else None
+
+        def on_step(s):
+            eta = "?" if math.isnan(s.eta_s) else f"{s.eta_s / 60:.1f} min"
+            print(f"step {s.step} | {format_metrics(s.metrics)} | {s.tokens_per_s:,.0f} tok/s | "
+                  f"eta {eta}", flush=True)
+            if writer:
+                for k, v in s.metrics.items():
+                    if isinstance(v, list):
+                        for i, x in enumerate(v):
+                            writer.add_scalar(f"{k}/{i}", x, s.step)
+                    else:
+                        writer.add_scalar(k, v, s.step)
+                writer.add_scalar("tokens_per_s", s.tokens_per_s, s.step)
+                writer.flush()
+
+        summary = trainer.run(cfg, log=lambda line: print(line, flush=True) if lead else None,
+                              on_step=on_step, should_stop=lambda: stop["requested"])
+        if writer:
+            writer.close()
+        print(f"finished at step {summary['step']} ({summary['stopped']}); "
+              f"checkpoints in {summary['workdir']}/checkpoints", flush=True)
+        return 0
+    except DSparkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
