@@ -138,6 +138,7 @@ def load_drafter(directory: str | Path, tcfg: TargetConfig, target_params=None, 
             if key not in files:
                 continue
             mine = files.array(key)
+            ref = ref.astype(mine.dtype)  # a bf16 export holds bf16-rounded copies
             diff = (float(np.max(np.abs(mine.astype(np.float32) - ref.astype(np.float32))))
                     if mine.shape == ref.shape else float("inf"))
             if diff > 0:

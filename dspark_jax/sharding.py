@@ -48,6 +48,8 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
             raise ConfigError(f"mesh: {len(devices)} devices are not divisible by the fixed axes "
                               f"{dict(zip(MESH_AXES, sizes))}")
         sizes[sizes.index(-1)] = len(devices) // known
+    if -1 not in sizes and math.prod(sizes) < len(devices):
+        devices = devices[: math.prod(sizes)]  # a fully specified mesh may use fewer devices
     if math.prod(sizes) != len(devices):
         raise ConfigError(f"mesh: axes {dict(zip(MESH_AXES, sizes))} need {math.prod(sizes)} devices, "
                           f"but {len(devices)} are available")

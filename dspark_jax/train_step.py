@@ -87,7 +87,7 @@ def make_train_step(cfg: Config, optimizer, state_sharding=None
         grads, metrics = grad_fn(state.params, target_params, batch, cfg)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["grad_norm"] = optax.tree.norm(grads)
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     out_shardings = None if state_sharding is None else (state_sharding, None)

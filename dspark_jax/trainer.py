@@ -150,9 +150,13 @@ def load_drafter_params(workdir: str | Path, step: int | None = None):
         raise CheckpointError(f"{directory}: step {step} not found; available steps {list(steps)}")
     cfg = from_dict(Config, mngr.restore(step, args=ocp.args.Composite(
         config=ocp.args.JsonRestore())).config)
-    spec = drafter_spec(cfg.target, cfg.drafter)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                          abstract(drafter_spec(cfg.target, cfg.drafter)))
     restored = mngr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.PyTreeRestore(partial_restore=True, item={"params": abstract(spec)})))
+        state=ocp.args.PyTreeRestore(
+            partial_restore=True, item={"params": params},
+            restore_args=ocp.checkpoint_utils.construct_restore_args({"params": params}))))
     mngr.close()
     return cfg, restored.state["params"], step
 
@@ -199,6 +203,7 @@ def run(cfg: Config, *, log: Callable[[str], None] = lambda s: None,
     pending: list[tuple[int, Any]] = []  # (step, device metrics) not yet checked on the host
     last_good = mngr.latest_step()
     t0, timed_steps, last, last_step = None, 0, {}, start_step
+    last_reported = start_step
 
     def check(items):
         """Reads metrics back; a non-finite loss stops the run before anything is saved."""
@@ -214,6 +219,15 @@ def run(cfg: Config, *, log: Callable[[str], None] = lambda s: None,
         check(pending)
         pending.clear()
 
+    def report(step):
+        nonlocal last_reported
+        if last_step <= last_reported:
+            return
+        last_reported = last_step
+        rate = timed_steps / max(time.perf_counter() - t0, 1e-9) if t0 else 0.0
+        on_step(StepLog(step=last_step, metrics=last, tokens_per_s=rate * tokens_per_step,
+                        eta_s=(s.total_steps - step - 1) / rate if rate else float("nan")))
+
     stopped = "done"
     try:
         for step in range(start_step, s.total_steps):
@@ -228,18 +242,17 @@ def run(cfg: Config, *, log: Callable[[str], None] = lambda s: None,
                 t0 = time.perf_counter()
             else:
                 timed_steps += 1
-            if (step + 1) % cfg.train.log_every == 0 and len(pending) > 1:
+            if (step + 1) % cfg.train.log_every == 0:
                 # Report the previous step's metrics (ready by now) while this one runs.
                 check(pending[:-1])
                 del pending[:-1]
-                rate = timed_steps / max(time.perf_counter() - t0, 1e-9) if t0 else 0.0
-                on_step(StepLog(step=last_step, metrics=last, tokens_per_s=rate * tokens_per_step,
-                                eta_s=(s.total_steps - step - 1) / rate if rate else float("nan")))
+                report(step)
             if (step + 1) % cfg.train.checkpoint_every == 0 or step + 1 == s.total_steps:
                 drain()  # never save a state whose loss went non-finite
                 save_checkpoint(mngr, state, s.iterator.state(), cfg, force=True)
                 last_good = step + 1
         drain()
+        report(s.total_steps - 1)
         if stopped == "signal" and int(jax.device_get(state.step)) != (mngr.latest_step() or 0):
             save_checkpoint(mngr, state, s.iterator.state(), cfg, force=True)
             log(f"stop requested: saved step {int(jax.device_get(state.step))}")

@@ -5,6 +5,12 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache per test session (outside the repo), shared with the
+# subprocesses that the command-line tests start, so identical programs compile once.
+import tempfile  # noqa: E402
+
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="dspark-jax-cache-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 from pathlib import Path
 
@@ -95,4 +101,20 @@ def tiny_target(tmp_path_factory):
     cfg["max_position_embeddings"] = t.max_position_embeddings
     (target / "config.json").write_text(json.dumps(cfg))
     build_bpe_tokenizer(target, texts, vocab_size=t.vocab_size)
-    return target, data
+    return fit_on_data(target, data, t, steps=150), data
+
+
+def fit_on_data(target: Path, data: Path, t, steps: int) -> Path:
+    """Trains the random target on the data (next-token CE) and saves it back in place."""
+    from dspark_jax import hf_checkpoint
+    from dspark_jax.data import BatchIterator, load_conversations
+    from dspark_jax.pretrain import fit_target
+    from dspark_jax.tokenizer import load_tokenizer
+
+    cfg, params = hf_checkpoint.load_target(target, target_layer_ids=list(t.target_layer_ids),
+                                            mask_token_id=t.mask_token_id)
+    ds = load_conversations(data, load_tokenizer(target), max_length=64, min_length=5)
+    batches = BatchIterator(ds, global_batch_size=16, num_anchors=1, block_size=4, seed=1)
+    params, _ = fit_target(params, cfg, iter(batches), steps)
+    hf_checkpoint.save_target(params, cfg, target)
+    return target

@@ -1,0 +1,50 @@
+"""Next-token training of a small target on token batches, to make tiny target/drafter pairs whose
+target actually models the data (a random target would leave nothing for a drafter to learn).
+Used by the tests and the benchmarks; real targets come from Hugging Face checkpoints."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from dspark_jax.config import TargetConfig
+from dspark_jax.target import forward
+
+
+def fit_target(params, cfg: TargetConfig, batches: Iterator[dict], steps: int,
+               learning_rate: float = 3e-3) -> tuple[dict, list[float]]:
+    """Adam on next-token cross-entropy over every non-padding token; returns (params, losses).
+
+    `batches` yields {"input_ids": [B, L], "loss_mask": [B, L]} (the data pipeline's batches); the
+    loss covers positions whose next token is inside the sequence's supervised span or prompt, i.e.
+    all tokens up to the last supervised one.
+    """
+    opt = optax.adam(learning_rate)
+
+    def loss_fn(p, ids, weight):
+        B, L = ids.shape
+        out = forward(p, cfg, ids, jnp.broadcast_to(jnp.arange(L), (B, L)))
+        logp = jax.nn.log_softmax(out.logits[:, :-1], -1)
+        nll = -jnp.take_along_axis(logp, ids[:, 1:, None], -1)[..., 0]
+        return jnp.sum(nll * weight) / jnp.maximum(jnp.sum(weight), 1.0)
+
+    @jax.jit
+    def step(p, opt_state, ids, weight):
+        loss, grads = jax.value_and_grad(loss_fn)(p, ids, weight)
+        updates, opt_state = opt.update(grads, opt_state, p)
+        return optax.apply_updates(p, updates), opt_state, loss
+
+    opt_state = opt.init(params)
+    losses = []
+    for _ in range(steps):
+        batch = next(batches)
+        mask = jnp.asarray(batch["loss_mask"])
+        # Everything before the last supervised token is real text (prompt or answer).
+        last = jnp.max(jnp.where(mask, jnp.arange(mask.shape[1]), -1), axis=1)
+        weight = (jnp.arange(1, mask.shape[1])[None] <= last[:, None]).astype(jnp.float32)
+        params, opt_state, loss = step(params, opt_state, jnp.asarray(batch["input_ids"]), weight)
+        losses.append(loss)
+    return params, [float(x) for x in jax.device_get(losses)]
