@@ -262,7 +262,7 @@ class DraftCache:
     def create(cls, tcfg: TargetConfig, dcfg: DrafterConfig, batch: int, max_len: int) -> "DraftCache":
         shape = (dcfg.num_draft_layers, batch, max_len, tcfg.num_key_value_heads, tcfg.head_dim)
         zeros = jnp.zeros(shape, jnp.dtype(dcfg.dtype))
-        return cls(k=zeros, v=zeros)
+        return cls(k=zeros, v=jnp.zeros_like(zeros))  # distinct buffers: both are donated
 
 
 def extend_context(dparams, tcfg: TargetConfig, dcfg: DrafterConfig, cache: DraftCache,

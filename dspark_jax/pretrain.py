@@ -48,3 +48,37 @@ def fit_target(params, cfg: TargetConfig, batches: Iterator[dict], steps: int,
         params, opt_state, loss = step(params, opt_state, jnp.asarray(batch["input_ids"]), weight)
         losses.append(loss)
     return params, [float(x) for x in jax.device_get(losses)]
+
+
+def make_tiny_target(out_dir, data_file, cfg: TargetConfig, *, steps: int = 150, seed: int = 0,
+                     max_length: int = 64):
+    """A tiny Hugging Face Qwen3 directory that models `data_file`: a BPE tokenizer trained on the
+    data's text (vocabulary cfg.vocab_size, ChatML specials at ids 0..3), random weights fitted for
+    `steps` next-token steps. Returns (params, out_dir)."""
+    import json
+    from pathlib import Path
+
+    from dspark_jax import hf_checkpoint
+    from dspark_jax.data import BatchIterator, load_conversations
+    from dspark_jax.params import init_params
+    from dspark_jax.target import target_spec
+    from dspark_jax.tokenizer import load_tokenizer, train_bpe_tokenizer
+
+    out = Path(out_dir)
+    texts = [m.get("content", "") for line in Path(data_file).read_text().splitlines() if line.strip()
+             for m in json.loads(line).get("conversations", [])]
+    train_bpe_tokenizer(texts, cfg.vocab_size, out)
+    tokenizer = load_tokenizer(out)
+    im_end = tokenizer.token_id("<|im_end|>")
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end]}) + "\n")
+    params = init_params(target_spec(cfg), jax.random.key(seed))
+    params = jax.tree.map(lambda x: x * 5 if x.ndim > 1 else x, params)  # std 0.1: a livelier start
+    ds = load_conversations(data_file, tokenizer, max_length=max_length, min_length=2)
+    batches = BatchIterator(ds, global_batch_size=min(16, len(ds)), num_anchors=1, block_size=1,
+                            seed=seed)
+    params, _ = fit_target(params, cfg, iter(batches), steps)
+    hf_checkpoint.save_target(params, cfg, out)
+    config = json.loads((out / "config.json").read_text())
+    config["eos_token_id"] = im_end
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return params, out

@@ -59,7 +59,7 @@ class KVCache:
     def create(cls, cfg: TargetConfig, batch: int, max_len: int) -> "KVCache":
         shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
         zeros = jnp.zeros(shape, param_dtype(cfg))
-        return cls(k=zeros, v=zeros)
+        return cls(k=zeros, v=jnp.zeros_like(zeros))  # distinct buffers: both are donated
 
     @property
     def max_len(self) -> int:
@@ -83,6 +83,47 @@ def lm_head(params, cfg: TargetConfig, hidden_btd: jax.Array) -> jax.Array:
                       preferred_element_type=jnp.float32)
 
 
+def _run_layers(params, cfg: TargetConfig, x: jax.Array, positions: jax.Array, attend, kv_in):
+    """The decoder stack under lax.scan; returns (final normed hidden, taps [.., m*d], kv_out).
+
+    `attend(q, k, v, kv) -> (out, kv)` is the only part that differs between the full, cached and
+    flat forwards: it sees rotated q/k and this layer's cache slice (or None).
+    """
+    B, T, d = x.shape
+    eps = cfg.rms_norm_eps
+    taps_ids = cfg.target_layer_ids
+    m = len(taps_ids)
+    # slot_of_layer[i] = index of layer i in the taps buffer, or -1.
+    slot_of_layer = [-1] * cfg.num_hidden_layers
+    for slot, layer_id in enumerate(taps_ids):
+        if layer_id >= 0:
+            slot_of_layer[layer_id] = slot
+    taps_buf = jnp.zeros((max(m, 1), B, T, d), x.dtype)
+    if m and taps_ids[0] == -1:
+        taps_buf = taps_buf.at[0].set(x)
+
+    def layer_step(carry, xs):
+        x, taps_buf = carry
+        layer, layer_id, kv = xs
+        q, k, v = project_qkv(rms_norm(x, layer["attn_norm"], eps), layer, eps)
+        q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+        out, kv = attend(q, k, v, kv)
+        x = x + jnp.einsum("btnh,nhd->btd", out, layer["wo"])
+        h = rms_norm(x, layer["mlp_norm"], eps)
+        x = x + swiglu(h, layer["w_gate"], layer["w_up"], layer["w_down"])
+        slot = jnp.asarray(slot_of_layer)[layer_id]
+        safe = jnp.maximum(slot, 0)
+        keep = jnp.where(slot >= 0, x, taps_buf[safe])
+        taps_buf = jax.lax.dynamic_update_index_in_dim(taps_buf, keep, safe, 0)
+        return (x, taps_buf), kv
+
+    layer_ids = jnp.arange(cfg.num_hidden_layers)
+    (x, taps_buf), kv_out = jax.lax.scan(layer_step, (x, taps_buf), (params["layers"], layer_ids, kv_in))
+    hidden = rms_norm(x, params["final_norm"], eps)
+    taps = jnp.moveaxis(taps_buf[:m], 0, 2).reshape(B, T, m * d)
+    return hidden, taps, kv_out
+
+
 def forward(params, cfg: TargetConfig, tokens: jax.Array, positions: jax.Array, *,
             cache: KVCache | None = None, valid: jax.Array | None = None,
             logit_index: jax.Array | None = None, compute_logits: bool = True) -> TargetOutput:
@@ -95,56 +136,25 @@ def forward(params, cfg: TargetConfig, tokens: jax.Array, positions: jax.Array, 
     """
     B, T = tokens.shape
     valid = jnp.ones((B, T), bool) if valid is None else valid
-    eps = cfg.rms_norm_eps
-    taps_ids = cfg.target_layer_ids
-    m = len(taps_ids)
-
     x = params["embed"][tokens].astype(param_dtype(cfg))  # [B,T,d]
-    # slot_of_layer[i] = index of layer i in the taps buffer, or -1.
-    slot_of_layer = [-1] * cfg.num_hidden_layers
-    for slot, layer_id in enumerate(taps_ids):
-        if layer_id >= 0:
-            slot_of_layer[layer_id] = slot
-    taps_buf = jnp.zeros((max(m, 1), B, T, cfg.hidden_size), x.dtype)
-    if m and taps_ids[0] == -1:
-        taps_buf = taps_buf.at[0].set(x)
 
     if cache is None:
         mask = (positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :]
+        attend = lambda q, k, v, kv: (attention(q, k, v, mask), None)
+        kv_in = None
     else:
         S = cache.max_len
         mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]
         write_pos = jnp.where(valid, positions, S)  # out of range: dropped by the scatter
         rows = jnp.arange(B)[:, None]
 
-    def layer_step(carry, xs):
-        x, taps_buf = carry
-        layer, layer_id, kv = xs
-        q, k, v = project_qkv(rms_norm(x, layer["attn_norm"], eps), layer, eps)
-        q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
-        if kv is None:
-            keys, values = k, v
-        else:
-            ck, cv = kv
-            ck = ck.at[rows, write_pos].set(k, mode="drop")
-            cv = cv.at[rows, write_pos].set(v, mode="drop")
-            keys, values, kv = ck, cv, (ck, cv)
-        out = attention(q, keys, values, mask)
-        x = x + jnp.einsum("btnh,nhd->btd", out, layer["wo"])
-        h = rms_norm(x, layer["mlp_norm"], eps)
-        x = x + swiglu(h, layer["w_gate"], layer["w_up"], layer["w_down"])
-        slot = jnp.asarray(slot_of_layer)[layer_id]
-        safe = jnp.maximum(slot, 0)
-        keep = jnp.where(slot >= 0, x, taps_buf[safe])
-        taps_buf = jax.lax.dynamic_update_index_in_dim(taps_buf, keep, safe, 0)
-        return (x, taps_buf), kv
+        def attend(q, k, v, kv):
+            ck = kv[0].at[rows, write_pos].set(k, mode="drop")
+            cv = kv[1].at[rows, write_pos].set(v, mode="drop")
+            return attention(q, ck, cv, mask), (ck, cv)
 
-    kv_in = None if cache is None else (cache.k, cache.v)
-    layer_ids = jnp.arange(cfg.num_hidden_layers)
-    (x, taps_buf), kv_out = jax.lax.scan(layer_step, (x, taps_buf),
-                                         (params["layers"], layer_ids, kv_in))
-    hidden = rms_norm(x, params["final_norm"], eps)
-    taps = jnp.moveaxis(taps_buf[:m], 0, 2).reshape(B, T, m * cfg.hidden_size)
+        kv_in = (cache.k, cache.v)
+    hidden, taps, kv_out = _run_layers(params, cfg, x, positions, attend, kv_in)
 
     logits = None
     if compute_logits:
@@ -153,3 +163,33 @@ def forward(params, cfg: TargetConfig, tokens: jax.Array, positions: jax.Array, 
         logits = lm_head(params, cfg, sel)
     new_cache = None if cache is None else KVCache(k=kv_out[0], v=kv_out[1])
     return TargetOutput(logits=logits, taps=taps, hidden=hidden, cache=new_cache)
+
+
+def forward_flat(params, cfg: TargetConfig, cache: KVCache, tokens: jax.Array, rows: jax.Array,
+                 positions: jax.Array, valid: jax.Array, grid_index: jax.Array, width: int
+                 ) -> TargetOutput:
+    """Verification over a flat token batch [F] (F = the bucket size) against per-request caches.
+
+    Linear layers and MLPs run on the F tokens, so cost follows the bucket. Token i belongs to
+    request `rows[i]` at `positions[i]`; for attention the queries are scattered to a [R, width]
+    grid (`grid_index[i]` = row * width + offset) to read each request's cache, then gathered back.
+    Invalid (padding) tokens are never written to the cache. Returns logits [F, V] and taps [F, m*d].
+    """
+    R, S = cache.k.shape[1], cache.max_len
+    x = params["embed"][tokens].astype(param_dtype(cfg))[None]  # [1,F,d]
+    write_pos = jnp.where(valid, positions, S)
+    grid = jnp.where(valid, grid_index, R * width)  # out of range: dropped
+    grid_pos = jnp.full((R * width,), -1, jnp.int32).at[grid].set(positions, mode="drop")
+    mask = jnp.arange(S)[None, None, :] <= grid_pos.reshape(R, width)[:, :, None]  # [R,W,S]
+
+    def attend(q, k, v, kv):
+        ck = kv[0].at[rows, write_pos].set(k[0], mode="drop")
+        cv = kv[1].at[rows, write_pos].set(v[0], mode="drop")
+        n, h = q.shape[2:]
+        q_grid = jnp.zeros((R * width, n, h), q.dtype).at[grid].set(q[0], mode="drop")
+        out = attention(q_grid.reshape(R, width, n, h), ck, cv, mask).reshape(R * width, n, h)
+        return out[jnp.minimum(grid, R * width - 1)][None], (ck, cv)
+
+    hidden, taps, kv_out = _run_layers(params, cfg, x, positions[None], attend, (cache.k, cache.v))
+    return TargetOutput(logits=lm_head(params, cfg, hidden[0]), taps=taps[0], hidden=hidden[0],
+                        cache=KVCache(k=kv_out[0], v=kv_out[1]))

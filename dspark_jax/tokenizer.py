@@ -154,6 +154,29 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
 # Chat template
 
 
+CHAT_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")  # ids 0..3
+
+
+def train_bpe_tokenizer(texts: Sequence[str], vocab_size: int, out_dir: str | Path) -> Path:
+    """Trains a small byte-level BPE `tokenizer.json` (ChatML special tokens first) into out_dir.
+
+    For the tiny test and demo models only; real models ship their own tokenizer.
+    """
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    backend = tokenizers.Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(CHAT_SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    backend.train_from_iterator(list(texts) + ["user assistant system"], trainer=trainer)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    backend.save(str(out / "tokenizer.json"))
+    return out
+
+
 def normalize_messages(entries: Any, *, where: str = "") -> list[dict[str, str]]:
     """Validate chat messages and map ShareGPT entries to ``{"role", "content"}``."""
     if not isinstance(entries, list):
