@@ -127,7 +127,8 @@ class Engine:
     def __init__(self, tcfg: TargetConfig, target_params, dcfg: DrafterConfig | None = None,
                  drafter_params=None, *, slots: int = 8, max_len: int = 512,
                  scheduler: SchedulerConfig = SchedulerConfig(), prefill_buckets: Iterable[int] = (),
-                 max_prefill_batch: int = 8, max_stop_ids: int = 8, seed: int = 0):
+                 max_prefill_batch: int = 8, max_stop_ids: int = 8, seed: int = 0,
+                 acceptance: Callable = accept):
         if (dcfg is None) != (drafter_params is None):
             raise ValueError("give both the drafter config and its params, or neither")
         if max_len > tcfg.max_position_embeddings:
@@ -135,6 +136,7 @@ class Engine:
                               f"{tcfg.max_position_embeddings}")
         self.tcfg, self.tparams, self.dcfg, self.dparams = tcfg, target_params, dcfg, drafter_params
         self.R, self.S, self.scheduler = slots, max_len, scheduler
+        self.acceptance = acceptance  # the rule; replaceable only to test that tests can fail
         self.NS = max_stop_ids
         self.gamma = dcfg.block_size if dcfg else 0
         self.max_verify = scheduler.max_len(self.gamma) if dcfg else 0
@@ -232,7 +234,7 @@ class Engine:
             out.logits, mode="drop").reshape(R, W, -1)
         p = target_probs(logits, s.temperature[:, None], s.top_p[:, None], s.top_k[:, None])
         if self.dcfg is not None:
-            acc = accept(k_acc, drafts, prop.probs, p, ell)
+            acc = self.acceptance(k_acc, drafts, prop.probs, p, ell)
             k, nxt = acc.num_accepted, acc.next_token
         else:
             k, nxt = jnp.zeros((R,), jnp.int32), sample(k_acc, p[:, 0])
