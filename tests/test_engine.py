@@ -1,0 +1,184 @@
+"""The engine against plain target decoding: exact greedy equality for both schedulers, batch sizes
+1 to R, ragged prompts, requests joining mid-run, trained and random drafters; stop tokens inside
+accepted blocks, full contexts, exact budgets, no compilation after warm-up."""
+
+import jax
+import numpy as np
+import pytest
+
+from dspark_jax import hf_checkpoint, trainer
+from dspark_jax.config import load_config, preset_path
+from dspark_jax.drafter import drafter_spec
+from dspark_jax.engine import Engine, RecompileError, Request
+from dspark_jax.errors import DSparkError
+from dspark_jax.params import init_params
+from dspark_jax.schedulers import SchedulerConfig
+from dspark_jax.tokenizer import encode_chat_prompt, load_tokenizer
+
+S = 96
+SMALL = dict(max_len=S, prefill_buckets=(32, S), max_prefill_batch=2)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_target, tmp_path_factory):
+    """(tcfg, target params, dcfg, trained drafter params, random drafter params, tokenizer)."""
+    target, data = tiny_target
+    work = tmp_path_factory.mktemp("engine_drafter")
+    cfg = load_config(preset_path("dspark-tiny"), [
+        f"train.target_dir={target}", f"train.data_file={data}", f"train.workdir={work}",
+        "train.max_steps=150", "train.checkpoint_every=150", "mesh.data=1"])
+    trainer.run(cfg)
+    cfg, dparams, _ = trainer.load_drafter_params(work)
+    tcfg, tparams = hf_checkpoint.load_target(target, target_layer_ids=list(cfg.target.target_layer_ids),
+                                              mask_token_id=cfg.target.mask_token_id)
+    random = init_params(drafter_spec(tcfg, cfg.drafter), jax.random.key(7))
+    return tcfg, tparams, cfg.drafter, dparams, random, load_tokenizer(target)
+
+
+@pytest.fixture(scope="module")
+def requests(pair):
+    """Chat prompts of ragged lengths, and a few raw ones, with mixed budgets."""
+    tok = pair[5]
+    rng = np.random.default_rng(0)
+    asks = ["Count from 3 to 17.", "Repeat 'green river' 4 times.", "Continue the pattern: stone paper",
+            "Count from 21 to 30.", "Repeat 'music' 5 times.", "Continue the pattern: a b c"]
+    out = []
+    for i in range(12):
+        ids = encode_chat_prompt(tok, [{"role": "user", "content": asks[i % len(asks)] * (1 + i % 3)}])
+        if i % 4 == 3:
+            ids = tok.encode("raw prompt number " * (1 + i % 5))
+        out.append(Request(id=str(i), prompt_ids=tuple(ids), max_new_tokens=int(rng.integers(1, 40))))
+    return out
+
+
+def run(engine, reqs):
+    results = {}
+    metrics = engine.generate(reqs, lambda r: results.__setitem__(r.id, r))
+    return results, metrics
+
+
+@pytest.fixture(scope="module")
+def plain(pair):
+    tcfg, tparams = pair[:2]
+    return Engine(tcfg, tparams, slots=4, **SMALL)
+
+
+@pytest.fixture(scope="module")
+def plain_results(plain, requests):
+    return run(plain, requests)[0]
+
+
+SCHEDULERS = [SchedulerConfig("fixed", 0), SchedulerConfig("fixed", 2), SchedulerConfig("threshold", 0, 0.2)]
+
+
+@pytest.fixture(scope="module", params=SCHEDULERS, ids=lambda s: f"{s.kind}{s.verify_len or s.threshold}")
+def spec(request, pair):
+    tcfg, tparams, dcfg, dparams = pair[:4]
+    return Engine(tcfg, tparams, dcfg, dparams, slots=4, scheduler=request.param, **SMALL)
+
+
+def assert_same(got, want):
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].token_ids == want[k].token_ids, k
+        assert got[k].finish_reason == want[k].finish_reason, k
+
+
+def test_greedy_equals_plain(spec, pair, requests, plain_results):
+    """12 requests through 4 slots: ragged prompts, requests joining as others finish."""
+    results, metrics = run(spec, requests)
+    assert_same(results, plain_results)
+    assert metrics["compilations_after_warmup"] == 0
+    assert metrics["mean_verified"] > (1.0 if spec.scheduler.kind == "fixed" else 0.2)
+    for r in results.values():
+        assert sum(r.accepted) == len(r.token_ids) - 1  # the first token comes from prefill
+        assert all(v <= spec.max_verify for v in r.verified)
+    # The same compiled programs with a random drafter: acceptance collapses, output does not change.
+    trained = spec.dparams
+    spec.dparams = pair[4]
+    try:
+        random_results, random_metrics = run(spec, requests)
+    finally:
+        spec.dparams = trained
+    assert_same(random_results, plain_results)
+    assert random_metrics["tau"] < metrics["tau"] or spec.scheduler.kind == "threshold"
+
+
+def test_batch_size_one(pair, requests, plain_results):
+    tcfg, tparams, dcfg, dparams = pair[:4]
+    engine = Engine(tcfg, tparams, dcfg, dparams, slots=1, scheduler=SchedulerConfig("fixed", 0), **SMALL)
+    results, metrics = run(engine, requests[:5])
+    assert_same(results, {k: plain_results[k] for k in results})
+    assert metrics["tau"] > 1.05  # the trained drafter is accepted
+
+
+def test_stop_token_inside_accepted_block(spec, requests, plain, pair):
+    """A stop id that the target emits in the middle of an accepted block ends the request there."""
+    results, _ = run(spec, requests)
+    stop = None
+    for r in results.values():
+        pos = 1
+        for count in r.accepted:
+            if count >= 3:
+                stop = (r.id, r.token_ids[pos + 1])  # an interior token of an accepted block
+                break
+            pos += count
+        if stop:
+            break
+    assert stop, "no multi-token accepted block to test with"
+    rid, token = stop
+    req = next(q for q in requests if q.id == rid)
+    req = Request(id=rid, prompt_ids=req.prompt_ids, max_new_tokens=req.max_new_tokens, stop_ids=(token,))
+    got = run(spec, [req])[0][rid]
+    want = run(plain, [req])[0][rid]
+    assert got.token_ids == want.token_ids and got.finish_reason == "stop"
+    assert got.token_ids[-1] == token and token not in got.token_ids[:-1]
+
+
+def test_full_context_ends_with_context(spec, plain, pair):
+    """A prompt near the capacity: generation stops when the next anchor has no cache slot."""
+    tok = pair[5]
+    ids = tuple(tok.encode("Count from 1 to 90. " * 20)[: S - 6])
+    req = Request(id="ctx", prompt_ids=ids, max_new_tokens=50)
+    got, want = run(spec, [req])[0]["ctx"], run(plain, [req])[0]["ctx"]
+    assert got.finish_reason == want.finish_reason == "context"
+    assert got.token_ids == want.token_ids
+    assert len(ids) + len(got.token_ids) == S + 1  # the last token is never written to the cache
+
+
+def test_max_new_tokens_is_exact(spec, requests):
+    results, _ = run(spec, requests)
+    for req in requests:
+        r = results[req.id]
+        if r.finish_reason == "length":
+            assert len(r.token_ids) == req.max_new_tokens
+        else:
+            assert len(r.token_ids) <= req.max_new_tokens
+
+
+def test_two_hundred_requests_compile_nothing_after_warmup(pair):
+    tcfg, tparams, dcfg, dparams, _, tok = pair
+    engine = Engine(tcfg, tparams, dcfg, dparams, slots=8, scheduler=SchedulerConfig("threshold", 0, 0.4),
+                    **SMALL)
+    engine.guard = True
+    rng = np.random.default_rng(1)
+    reqs = [Request(id=str(i), prompt_ids=tuple(rng.integers(4, tcfg.vocab_size, rng.integers(1, 80)).tolist()),
+                    max_new_tokens=int(rng.integers(1, 24)), temperature=float(rng.choice([0.0, 0.7, 1.0])),
+                    top_p=float(rng.choice([1.0, 0.9])), top_k=int(rng.choice([0, 20])),
+                    stop_ids=tuple(tok.stop_token_ids)) for i in range(200)]
+    results, metrics = run(engine, reqs)
+    assert len(results) == 200 and metrics["compilations_after_warmup"] == 0
+    assert metrics["compilations"] == len(engine._compiled)
+    # The guard turns a compilation after warm-up into an error.
+    engine._compiled.pop(("round", engine.verify_buckets[0]))
+    with pytest.raises(RecompileError, match="recompile guard on"):
+        run(engine, reqs[:1])
+
+
+def test_bad_requests(plain):
+    with pytest.raises(DSparkError, match="request e: empty prompt"):
+        plain.check_request(Request(id="e", prompt_ids=(), max_new_tokens=3))
+    with pytest.raises(DSparkError, match=r"request l: prompt of 97 tokens is longer than the context \(96"):
+        plain.check_request(Request(id="l", prompt_ids=(5,) * 97, max_new_tokens=3))
+    with pytest.raises(DSparkError, match="outside the vocabulary"):
+        plain.check_request(Request(id="v", prompt_ids=(100000,), max_new_tokens=3))
