@@ -141,9 +141,11 @@ class Engine:
         self.gamma = dcfg.block_size if dcfg else 0
         self.max_verify = scheduler.max_len(self.gamma) if dcfg else 0
         self.W = self.gamma + 1
-        self.prefill_buckets = sorted(set(prefill_buckets) or _powers_of_two(16, max_len))
-        if self.prefill_buckets[-1] < max_len:
-            self.prefill_buckets.append(max_len)
+        if max_len < 2:
+            raise DSparkError(f"max_len {max_len}: need at least 2 positions")
+        # Prompt-length buckets up to the context; the context itself is always the last one.
+        given = set(prefill_buckets) or set(_powers_of_two(16, max_len))
+        self.prefill_buckets = sorted(b for b in given if b < max_len) + [max_len]
         self.batch_buckets = _powers_of_two(1, min(slots, max_prefill_batch))
         # Verification buckets: multiples of the per-request width up to all slots full.
         per = 1 + self.max_verify

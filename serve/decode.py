@@ -11,6 +11,7 @@ written, and the command then exits with status 1.
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -56,6 +57,15 @@ def parse_args(argv):
         problems.append(f"--threshold {args.threshold}: must be in [0, 1]")
     if args.verify_len < 0:
         problems.append(f"--verify-len {args.verify_len}: must be >= 0")
+    if args.max_len < 0:
+        problems.append(f"--max-len {args.max_len}: must be >= 1 (or 0 for the default)")
+    try:
+        args.prefill_buckets = tuple(int(b) for b in args.prefill_buckets.split(",") if b.strip())
+        if any(b < 1 for b in args.prefill_buckets):
+            raise ValueError
+    except ValueError:
+        problems.append(f"--prefill-buckets {args.prefill_buckets!r}: expected positive integers "
+                        "separated by commas, e.g. 64,256,1024")
     if problems:
         ap.error("; ".join(problems))
     return args
@@ -69,12 +79,17 @@ def load_models(args):
     if args.drafter.lower() == "none":
         tcfg, tparams = hf_checkpoint.load_target(args.target)
         return tcfg, tparams, None, None
-    drafter_cfg = hf_checkpoint.read_json(Path(args.drafter) / "config.json")
+    where = Path(args.drafter) / "config.json"
+    drafter_cfg = hf_checkpoint.read_json(where)
     taps = drafter_cfg.get("target_layer_ids")
     mask = drafter_cfg.get("mask_token_id")
     if not isinstance(taps, list) or not isinstance(mask, int):
-        raise DSparkError(f"{args.drafter}/config.json: needs target_layer_ids (list) and "
-                          "mask_token_id (int)")
+        raise DSparkError(f"{where}: needs target_layer_ids (list) and mask_token_id (int)")
+    base = hf_checkpoint.load_target_config(args.target)
+    try:  # the drafter's view of the target must fit the target before anything is loaded
+        dataclasses.replace(base, target_layer_ids=tuple(taps), mask_token_id=mask)
+    except DSparkError as e:
+        raise DSparkError(f"{where}: does not fit the target {args.target}: {e}") from None
     tcfg, tparams = hf_checkpoint.load_target(args.target, target_layer_ids=taps, mask_token_id=mask)
     dcfg, dparams = deepspec.load_drafter(args.drafter, tcfg, tparams)
     if args.verify_len > dcfg.block_size:
@@ -90,14 +105,16 @@ def read_requests(args, tokenizer, engine):
 
     requests, texts, errors, seen = [], {}, [], set()
     path = Path(args.prompts)
-    if not path.is_file():
-        raise DSparkError(f"{path}: prompt file not found")
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
             where = f"{path}:{line_no}"
             try:
+                try:
+                    line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+                except UnicodeDecodeError as e:
+                    raise DSparkError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+                if not line.strip():
+                    continue
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
@@ -147,13 +164,14 @@ def main(argv=None) -> int:
     from dspark_jax.tokenizer import load_tokenizer
 
     try:
+        if not Path(args.prompts).is_file():
+            raise DSparkError(f"{args.prompts}: prompt file not found")
         tokenizer = load_tokenizer(args.target)
         tcfg, tparams, dcfg, dparams = load_models(args)
         max_len = args.max_len or min(2048, tcfg.max_position_embeddings)
-        buckets = tuple(int(b) for b in args.prefill_buckets.split(",") if b)
         engine = Engine(tcfg, tparams, dcfg, dparams, slots=args.slots, max_len=max_len,
                         scheduler=SchedulerConfig(args.scheduler, args.verify_len, args.threshold),
-                        prefill_buckets=buckets, seed=args.seed)
+                        prefill_buckets=args.prefill_buckets, seed=args.seed)
         requests, texts, errors = read_requests(args, tokenizer, engine)
         mode = "plain target decoding" if dcfg is None else (
             f"speculative, block {dcfg.block_size}, {args.scheduler}"

@@ -266,7 +266,7 @@ def test_bad_records_are_reported_and_the_rest_decoded(pair, tok, tmp_path):
         json.dumps({"conversations": [{"role": "user", "content": "Count from 2 to 9."}]}),  # 9
     ]
     path = tmp_path / "prompts.jsonl"
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    path.write_bytes(("\n".join(lines) + "\n").encode() + b'{"id": "latin1", "prompt": "caf\xe9"}\n')
     out, metrics = tmp_path / "out.jsonl", tmp_path / "metrics.json"
     proc = decode_cli("--target", target, "--drafter", drafter, "--prompts", path, "--out", out,
                       "--metrics", metrics, *SIZES)
@@ -278,7 +278,8 @@ def test_bad_records_are_reported_and_the_rest_decoded(pair, tok, tmp_path):
               f"({MAX_LEN} positions)",
               f"{path}:5: duplicate id 'good'",
               f"{path}:7: first turn is empty",
-              f"{path}:8: record must be an object, got list"]
+              f"{path}:8: record must be an object, got list",
+              f"{path}:10: not valid UTF-8"]
     assert len(errors) == len(wanted), proc.stderr
     for got, want in zip(errors, wanted):
         assert got.startswith(want), (got, want)
@@ -299,6 +300,8 @@ def test_bad_records_are_reported_and_the_rest_decoded(pair, tok, tmp_path):
     (["--temperature", "-1"], "--temperature -1.0: must be >= 0"),
     (["--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
     (["--top-p", "1.5"], "--top-p 1.5: must be in (0, 1]"),
+    (["--max-len", "-4"], "--max-len -4: must be >= 1"),
+    (["--prefill-buckets", "32,abc"], "--prefill-buckets '32,abc': expected positive integers"),
 ])
 def test_bad_flags_exit_2_before_loading_anything(tmp_path, flags, message):
     # Nothing exists at these paths: a flag error must come first.
@@ -327,8 +330,7 @@ def test_drafter_that_does_not_fit_the_target(pair, prompts, tmp_path, field, va
                       *SIZES, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr, proc.stderr
-    if field != "target_layer_ids":  # that one is reported against the target's config.json
-        assert f"{bad}/config.json" in proc.stderr
+    assert f"{bad}/config.json" in proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
 
 

@@ -1,0 +1,122 @@
+"""Speculative versus plain decoding on a tiny trained pair: output tokens/s at several batch sizes
+and temperatures, tau, and the time split of one round (propose, verify, host).
+
+    python benchmarks/bench_decode.py [--pair runs/tiny-pair] [--batches 1,8,32] [--temperatures 0,1]
+
+Without an existing --pair directory, one is built first with `python -m train.tiny_pair`. For each
+(batch R, temperature) the same prompts are decoded by plain target decoding and by the drafter with
+fixed(γ) through engines with R slots; throughput is measured after warm-up. The round split times the
+compiled round, the drafter's proposal and the flat verification separately on a full batch;
+host time is the wall time per round minus the compiled round's device time.
+"""
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+
+def best_time(fn, repeats=20):
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def round_split(engine):
+    """Seconds for (round, propose, verify) on the engine's current state (all slots active)."""
+    from dspark_jax.drafter import propose
+    from dspark_jax.target import forward_flat
+
+    s = engine.state.slots
+    F = engine.verify_buckets[-1]
+    W = engine.W
+    rows = np.repeat(np.arange(engine.R), W)[:F].astype(np.int32)
+    j = np.tile(np.arange(W), engine.R)[:F].astype(np.int32)
+    verify = jax.jit(lambda st, tp: forward_flat(tp, engine.tcfg, st.target_cache, st.slots.anchor[rows],
+                                                 rows, st.slots.length[rows] + j, np.ones(F, bool),
+                                                 rows * W + j, W).logits)
+    t_verify = best_time(lambda: verify(engine.state, engine.tparams))
+    t_propose = 0.0
+    if engine.dcfg is not None:
+        prop = jax.jit(lambda st, tp, dp: propose(dp, tp, engine.tcfg, engine.dcfg, st.draft_cache,
+                                                  st.slots.anchor, st.slots.length, st.slots.temperature,
+                                                  jax.random.key(0)).tokens)
+        t_propose = best_time(lambda: prop(engine.state, engine.tparams, engine.dparams))
+    compiled = engine._program("round", F)
+    holder = {"state": engine.state}
+
+    def one_round():
+        holder["state"], out = compiled(holder["state"], engine.tparams, engine.dparams)
+        return out.count
+
+    t_round = best_time(one_round)
+    engine.state = holder["state"]
+    return t_round, t_propose, t_verify
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pair", default="runs/tiny-pair")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--max-len", type=int, default=128)
+    args = ap.parse_args()
+    pair = Path(args.pair)
+    if not (pair / "drafter" / "config.json").is_file():
+        subprocess.run([sys.executable, "-m", "train.tiny_pair", "--out", str(pair)], check=True)
+
+    from dspark_jax import deepspec, hf_checkpoint
+    from dspark_jax.engine import Engine, Request
+    from dspark_jax.schedulers import SchedulerConfig
+    from dspark_jax.tokenizer import load_prompts, load_tokenizer
+
+    import json
+    dconf = json.loads((pair / "drafter/config.json").read_text())
+    tcfg, tparams = hf_checkpoint.load_target(pair / "target", target_layer_ids=dconf["target_layer_ids"],
+                                              mask_token_id=dconf["mask_token_id"])
+    dcfg, dparams = deepspec.load_drafter(pair / "drafter", tcfg, tparams)
+    tok = load_tokenizer(pair / "target")
+    prompts = load_prompts(pair / "data/prompts.jsonl", tok)
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; tiny pair {pair}: target "
+          f"{tcfg.num_hidden_layers}x{tcfg.hidden_size}, drafter {dcfg.num_draft_layers} layers, block "
+          f"{dcfg.block_size}; {args.max_new_tokens} new tokens per request")
+    header = (f"{'R':>3} {'T':>4} | {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} | {'tau':>5} "
+              f"{'acc':>5} | round ms: {'total':>6} {'propose':>7} {'verify':>6} {'host':>6}")
+    print(header)
+    for R in [int(b) for b in args.batches.split(",")]:
+        kw = dict(slots=R, max_len=args.max_len, prefill_buckets=(32, args.max_len), max_prefill_batch=8)
+        plain = Engine(tcfg, tparams, **kw)
+        spec = Engine(tcfg, tparams, dcfg, dparams, scheduler=SchedulerConfig("fixed", 0), **kw)
+        plain.warmup()
+        spec.warmup()
+        n = max(2 * R, 16)
+        for T in [float(t) for t in args.temperatures.split(",")]:
+            reqs = [Request(id=f"{i}", prompt_ids=prompts[i % len(prompts)].token_ids,
+                            max_new_tokens=args.max_new_tokens, temperature=T) for i in range(n)]
+            mp = plain.generate(reqs)
+            ms = spec.generate(reqs)
+            # Fill every slot for the split (prefill only: generate's requests have finished).
+            spec.generate([Request(id=f"s{i}", prompt_ids=reqs[i % n].prompt_ids, max_new_tokens=2,
+                                   temperature=T) for i in range(R)])
+            spec.state = spec.state.replace(slots=spec.state.slots.replace(
+                active=jax.numpy.ones(R, bool), max_new=jax.numpy.full(R, 10**6, jax.numpy.int32)))
+            t_round, t_prop, t_ver = round_split(spec)
+            wall = ms["round_s"] / max(ms["rounds"], 1)
+            print(f"{R:>3} {T:>4.1f} | {mp['output_tokens_per_s']:>11,.0f} {ms['output_tokens_per_s']:>10,.0f} "
+                  f"{ms['output_tokens_per_s'] / mp['output_tokens_per_s']:>6.2f}x | {ms['tau']:>5.2f} "
+                  f"{ms['acceptance_rate']:>5.2f} | {'':>9} {t_round * 1e3:>6.2f} {t_prop * 1e3:>7.2f} "
+                  f"{t_ver * 1e3:>6.2f} {max(wall - t_round, 0) * 1e3:>6.2f}", flush=True)
+    print("command: python " + " ".join(sys.argv))
+
+
+if __name__ == "__main__":
+    main()
