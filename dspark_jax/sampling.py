@@ -21,16 +21,22 @@ def target_probs(logits: jax.Array, temperature: jax.Array, top_p: jax.Array,
     V = logits.shape[-1]
     greedy = temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, temperature)[..., None]
-    order = jnp.argsort(-scaled, axis=-1)
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
-    rank = jnp.arange(V)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)[..., None]
-    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    keep_sorted = (rank < k) & (mass_before < top_p[..., None])  # rank 0 is always kept
-    keep = jnp.put_along_axis(jnp.zeros_like(keep_sorted), order, keep_sorted, axis=-1, inplace=False)
-    filtered = jnp.where(keep, scaled, -jnp.inf)
-    soft = jax.nn.softmax(filtered, axis=-1)
+    filtering = ((top_k > 0) & (top_k < V)) | (top_p < 1.0)
+
+    def filtered(scaled):
+        # One sort serves both filters; skipped entirely when no row asks for either.
+        order = jnp.argsort(-scaled, axis=-1)
+        sorted_probs = jax.nn.softmax(jnp.take_along_axis(scaled, order, axis=-1), axis=-1)
+        rank = jnp.arange(V)
+        k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)[..., None]
+        mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+        keep_sorted = (rank < k) & (mass_before < top_p[..., None])  # rank 0 is always kept
+        keep = jnp.put_along_axis(jnp.zeros_like(keep_sorted), order, keep_sorted, axis=-1,
+                                  inplace=False)
+        return jnp.where(keep, scaled, -jnp.inf)
+
+    scaled = jax.lax.cond(jnp.any(filtering & ~greedy), filtered, lambda x: x, scaled)
+    soft = jax.nn.softmax(scaled, axis=-1)
     hard = jax.nn.one_hot(jnp.argmax(logits, -1), V, dtype=jnp.float32)
     return jnp.where(greedy[..., None], hard, soft)
 
