@@ -340,102 +340,108 @@ class Engine:
     def generate(self, requests: Iterable[Request], on_result: Callable[[Result], None] = lambda r: None
                  ) -> dict:
         """Decodes all requests with continuous batching; calls `on_result` as each finishes.
-        Returns the run's metrics."""
+        Returns the run's metrics.
+
+        The host keeps one round in flight: it dispatches round t+1 before reading round t's
+        tokens, so reading results, streaming them and admitting requests overlap device work. A
+        slot that finished in round t is already inactive on the device in round t+1; it is freed
+        and refilled on the host one round later.
+        """
         if not self._warm:
             self.warmup()
         queue = deque(requests)
         for req in queue:
             self.check_request(req)
-        R = self.R
-        free = list(range(R))[::-1]
-        live: dict[int, Result] = {}
-        stats = {"rounds": 0, "round_tokens": [], "verified": [], "accepted_k": [],
-                 "prefill_s": 0.0, "round_s": 0.0}
+        free = list(range(self.R))[::-1]
+        live: dict[int, Result] = {}  # slots the host has not seen finish (a superset of active)
+        started: dict[int, float] = {}
+        events: deque = deque()  # device outputs not yet read, in dispatch order
         gamma = self.gamma
         pos_verified = np.zeros(max(gamma, 1), np.int64)
         pos_accepted = np.zeros(max(gamma, 1), np.int64)
-        out_tokens = 0
+        tally = {"rounds": 0, "out_tokens": 0, "tau": [], "verified": [], "accepted": [], "rates": []}
         t_start = time.perf_counter()
-
-        started: dict[int, float] = {}
-        per_request_rate = []
 
         def finish(slot: int, reason: str):
             res = live.pop(slot)
             res.finish_reason = reason
             took = time.perf_counter() - started.pop(slot)
             if len(res.token_ids) > 1 and took > 0:
-                per_request_rate.append((len(res.token_ids) - 1) / took)
+                tally["rates"].append((len(res.token_ids) - 1) / took)
             free.append(slot)
             on_result(res)
 
-        mark = _CompileCounter.count
-        while queue or live:
-            # Admit: group joiners by prompt bucket, up to the largest prefill batch.
-            joiners = []
-            while queue and free:
-                joiners.append((free.pop(), queue.popleft()))
-            t = time.perf_counter()
-            for P, group in _group_by(joiners, lambda sr: _bucket(len(sr[1].prompt_ids), self.prefill_buckets)):
-                for chunk in _chunks(group, self.batch_buckets[-1]):
-                    J = _bucket(len(chunk), self.batch_buckets)
-                    fn = self._program("prefill", J, P)
-                    self.state, (first, codes) = fn(self.state, self.tparams, self.dparams,
-                                                    *self._prefill_args(J, P, chunk))
-                    first, codes = jax.device_get((first, codes))
-                    for i, (slot, req) in enumerate(chunk):
-                        live[slot] = Result(id=req.id, token_ids=[int(first[i])], finish_reason="",
-                                            accepted=[], verified=[])
-                        started[slot] = time.perf_counter()
-                        out_tokens += 1
-                        if codes[i] != RUNNING:
-                            finish(slot, FINISH_REASONS[int(codes[i])])
-            stats["prefill_s"] += time.perf_counter() - t
-            self._check_guard(mark)
-            mark = _CompileCounter.count
-            if not live:
-                continue
-            t = time.perf_counter()
-            F = _bucket(len(live) * (1 + self.max_verify), self.verify_buckets)
-            self.state, out = self._program("round", F)(self.state, self.tparams, self.dparams)
-            out = jax.device_get(out)
-            stats["round_s"] += time.perf_counter() - t
-            stats["rounds"] += 1
-            self._check_guard(mark)
-            mark = _CompileCounter.count
-            for slot in list(live):
-                if not out.was_active[slot]:
-                    continue
+        def read(event):
+            kind, payload = event
+            if kind == "prefill":
+                chunk, (first, codes) = payload
+                first, codes = jax.device_get((first, codes))
+                for i, (slot, _) in enumerate(chunk):
+                    live[slot].token_ids.append(int(first[i]))
+                    tally["out_tokens"] += 1
+                    if codes[i] != RUNNING:
+                        finish(slot, FINISH_REASONS[int(codes[i])])
+                return
+            out = jax.device_get(payload)
+            if out.was_active.any():
+                tally["rounds"] += 1
+            for slot in np.flatnonzero(out.was_active):
                 res = live[slot]
                 c, ell, k = int(out.count[slot]), int(out.verified[slot]), int(out.accepted[slot])
                 res.token_ids += out.tokens[slot, :c].tolist()
                 res.accepted.append(c)
                 res.verified.append(ell)
-                out_tokens += c
-                stats["round_tokens"].append(k + 1)
-                stats["verified"].append(ell)
-                stats["accepted_k"].append(k)
+                tally["out_tokens"] += c
+                tally["tau"].append(k + 1)
+                tally["verified"].append(ell)
+                tally["accepted"].append(k)
                 pos_verified[:ell] += 1
                 pos_accepted[:min(k, ell)] += 1
                 if out.finish[slot] != RUNNING:
                     finish(slot, FINISH_REASONS[int(out.finish[slot])])
+
+        mark = _CompileCounter.count
+        while queue or live or events:
+            # Admit into free slots: group joiners by prompt bucket, up to the largest batch bucket.
+            joiners = []
+            while queue and free:
+                slot, req = free.pop(), queue.popleft()
+                joiners.append((slot, req))
+                live[slot] = Result(id=req.id, token_ids=[], finish_reason="", accepted=[], verified=[])
+                started[slot] = time.perf_counter()
+            for P, group in _group_by(joiners, lambda sr: _bucket(len(sr[1].prompt_ids),
+                                                                  self.prefill_buckets)):
+                for chunk in _chunks(group, self.batch_buckets[-1]):
+                    J = _bucket(len(chunk), self.batch_buckets)
+                    self.state, out = self._program("prefill", J, P)(
+                        self.state, self.tparams, self.dparams, *self._prefill_args(J, P, chunk))
+                    events.append(("prefill", (chunk, out)))
+            in_flight = 0
+            if live:
+                F = _bucket(len(live) * (1 + self.max_verify), self.verify_buckets)
+                self.state, out = self._program("round", F)(self.state, self.tparams, self.dparams)
+                events.append(("round", out))
+                in_flight = 1
+            self._check_guard(mark)
+            mark = _CompileCounter.count
+            while len(events) > in_flight:
+                read(events.popleft())
         elapsed = time.perf_counter() - t_start
-        verified = np.asarray(stats["verified"], float)
-        accepted = np.asarray(stats["accepted_k"], float)
+        verified = np.asarray(tally["verified"], float)
+        accepted = np.asarray(tally["accepted"], float)
         return {
-            "tau": float(np.mean(stats["round_tokens"])) if stats["round_tokens"] else 0.0,
+            # τ: tokens a round commits (accepted drafts + the bonus), before stop/budget cuts.
+            "tau": float(np.mean(tally["tau"])) if tally["tau"] else 0.0,
             "acceptance_rate": float(accepted.sum() / verified.sum()) if verified.sum() else 0.0,
             "conditional_acceptance": [float(a / v) if v else 0.0
                                        for a, v in zip(pos_accepted, pos_verified)][:gamma],
             "mean_verified": float(verified.mean()) if len(verified) else 0.0,
-            "output_tokens": out_tokens,
-            "output_tokens_per_s": out_tokens / elapsed if elapsed else 0.0,
-            # Decoding speed one user sees: tokens after the first over the time since prefill.
-            "tokens_per_s_per_request": float(np.mean(per_request_rate)) if per_request_rate else 0.0,
+            "output_tokens": tally["out_tokens"],
+            "output_tokens_per_s": tally["out_tokens"] / elapsed if elapsed else 0.0,
+            # Decoding speed one user sees: tokens after the first over the time since admission.
+            "tokens_per_s_per_request": float(np.mean(tally["rates"])) if tally["rates"] else 0.0,
             "elapsed_s": elapsed,
-            "prefill_s": stats["prefill_s"],
-            "round_s": stats["round_s"],
-            "rounds": stats["rounds"],
+            "rounds": tally["rounds"],
             "compilations": self.compilations,
             "compilations_after_warmup": self.compilations_after_warmup,
         }

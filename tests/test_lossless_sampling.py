@@ -102,43 +102,42 @@ def _unit_dists(kind: str):
     return p.astype(np.float32), q.astype(np.float32)
 
 
-@functools.partial(jax.jit, static_argnums=(3,))
-def _sample_accept(key, p, q, R):
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _run_rule(rule, key, p, q, ell, R):
     """R independent rounds: drafts d_j ~ q_j (the drafter's q here does not depend on earlier
-    drafts), then `accept` with the verified length ell; returns (drafts, k, next)."""
+    drafts), then the acceptance `rule` with verified length ell; returns (drafts, k, next)."""
     k_draft, k_acc = jax.random.split(key)
     logq = jnp.where(q > 0, jnp.log(jnp.where(q > 0, q, 1.0)), -jnp.inf)
     drafts = jax.random.categorical(k_draft, logq, axis=-1, shape=(R, q.shape[0])).astype(jnp.int32)
-    return drafts, k_acc
-
-
-@functools.partial(jax.jit, static_argnums=(4,))
-def _run_accept(key, p, q, ell, R):
-    drafts, k_acc = _sample_accept(key, p, q, R)
-    out = accept(k_acc, drafts, jnp.broadcast_to(q, (R,) + q.shape),
-                 jnp.broadcast_to(p, (R,) + p.shape), jnp.full((R,), ell, jnp.int32))
+    out = rule(k_acc, drafts, jnp.broadcast_to(q, (R,) + q.shape),
+               jnp.broadcast_to(p, (R,) + p.shape), jnp.full((R,), ell, jnp.int32))
     return drafts, out.num_accepted, out.next_token
+
+
+def committed_token_p_values(rule, p, q, ell, seed):
+    """For i = 0..ℓ: chi-square p-value of the i-th committed token over the rounds with k >= i
+    (d_{i+1} if accepted, else the residual / bonus token) against the target's p_i."""
+    drafts, k, nxt = jax.device_get(_run_rule(rule, jax.random.key(seed), p, q, ell, R_UNIT))
+    assert k.min() >= 0 and k.max() <= ell
+    committed = np.concatenate([drafts, np.zeros((R_UNIT, 1), np.int32)], 1)
+    committed[np.arange(R_UNIT), k] = nxt  # row r: d_1..d_k, next
+    out = []
+    for i in range(ell + 1):
+        tok = committed[k >= i, i]
+        assert not np.any(p[i][tok] == 0), "emitted a token the target gives probability 0"
+        p_i = p[i].astype(np.float64)
+        out.append(chi_square_p(np.bincount(tok, minlength=V_UNIT), p_i / p_i.sum())[0])
+    return out
 
 
 @pytest.mark.parametrize("kind", ["dense", "sparse"])
 def test_accept_committed_tokens_follow_target(kind):
     """For every ℓ: the first committed token ~ p_0; more generally, among rounds with k >= i the
-    i-th committed token (d_{i+1} if accepted, else the residual / bonus token) ~ p_i."""
+    i-th committed token (d_{i+1} if accepted, else the residual / bonus token) ~ p_i (p > 1e-3)."""
     p, q = _unit_dists(kind)
     for ell in range(GAMMA_UNIT + 1):
-        drafts, k, nxt = jax.device_get(
-            _run_accept(jax.random.key(100 + ell), p, q, ell, R_UNIT))
-        assert k.min() >= 0 and k.max() <= ell
-        committed = np.concatenate([drafts, np.zeros((R_UNIT, 1), np.int32)], 1)
-        committed[np.arange(R_UNIT), k] = nxt  # row r: d_1..d_k, next
-        for i in range(ell + 1):
-            rows = k >= i
-            tok = committed[rows, i]
-            assert not np.any(p[i][tok] == 0), "emitted a token the target gives probability 0"
-            counts = np.bincount(tok, minlength=V_UNIT)
-            pi = p[i].astype(np.float64)
-            pv, stat, bins = chi_square_p(counts, pi / pi.sum())
-            assert pv > PASS_P, (kind, ell, i, pv, stat, bins, counts / counts.sum(), p[i])
+        pvs = committed_token_p_values(accept, p, q, ell, seed=100 + ell)
+        assert min(pvs) > PASS_P, (kind, ell, pvs)
 
 
 def test_accept_greedy_one_hot_is_exact():
@@ -171,7 +170,7 @@ DRAFTER_SEED, DRAFTER_SCALE = 3, 8.0
 PROMPT = (1, 2, 5, 6)
 MAX_LEN = 16
 N_SAMPLES = 30_000  # requests per positive case
-N_CONTROL = 6_000  # requests per negative control
+N_CONTROL = 4_000  # requests per negative control
 SLOTS, CONTROL_SLOTS = 8, 2
 SCHEDULERS = {"fixed": SchedulerConfig("fixed", 4), "threshold": SchedulerConfig("threshold", 0, 0.5)}
 
@@ -313,3 +312,13 @@ def test_broken_acceptance_is_detected(models, exact_logits, rule):
     print(f"\n[lossless] broken {rule.__name__}: p={pv:.4g} chi2={stat:.1f} bins={bins} "
           f"acceptance={m['acceptance_rate']:.3f}")
     assert pv < FAIL_P, (pv, stat, bins)
+
+
+@pytest.mark.parametrize("rule", [accept_everything, resample_from_target],
+                         ids=lambda f: f.__name__)
+def test_accept_check_detects_broken_rules(rule):
+    """The unit-level check has power too: the first committed token of a broken rule is far from
+    p_0 whenever at least one draft is verified."""
+    p, q = _unit_dists("dense")
+    for ell in (1, GAMMA_UNIT):
+        assert committed_token_p_values(rule, p, q, ell, seed=7)[0] < FAIL_P, (rule, ell)
