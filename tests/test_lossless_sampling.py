@@ -95,7 +95,6 @@ def _unit_dists(kind: str):
         p[0, 4] = 0.0
         q[0, 0] = 0.0
         p[1, 2] = 0.0
-        q[2] = p[2]
         p = p / p.sum(-1, keepdims=True)
         q = q / q.sum(-1, keepdims=True)
         q[2] = p[2]
