@@ -59,25 +59,6 @@ def hf_models(tmp_path_factory):
     return get
 
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]  # ids 0..3
-
-
-def build_bpe_tokenizer(directory: Path, texts, vocab_size: int) -> Path:
-    """Trains a byte-level BPE tokenizer.json whose first ids are SPECIAL_TOKENS."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(list(texts) + ["user assistant system"], trainer=trainer)
-    directory.mkdir(parents=True, exist_ok=True)
-    tok.save(str(directory / "tokenizer.json"))
-    return directory
-
-
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory):
     """(target dir, data file): a random Qwen3 with the `tiny` preset's shapes, a BPE tokenizer
@@ -100,7 +81,9 @@ def tiny_target(tmp_path_factory):
     cfg["rope_parameters"]["rope_theta"] = t.rope_theta
     cfg["max_position_embeddings"] = t.max_position_embeddings
     (target / "config.json").write_text(json.dumps(cfg))
-    build_bpe_tokenizer(target, texts, vocab_size=t.vocab_size)
+    from dspark_jax.tokenizer import train_bpe_tokenizer
+
+    train_bpe_tokenizer(texts, t.vocab_size, target)
     return fit_on_data(target, data, t, steps=150), data
 
 
@@ -118,3 +101,22 @@ def fit_on_data(target: Path, data: Path, t, steps: int) -> Path:
     params, _ = fit_target(params, cfg, iter(batches), steps)
     hf_checkpoint.save_target(params, cfg, target)
     return target
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tiny_target, tmp_path_factory):
+    """(target dir, training workdir, exported DeepSpec drafter dir): a dspark-tiny drafter trained
+    150 steps against `tiny_target`, shared by the engine and decode tests."""
+    from dspark_jax import deepspec, trainer
+    from dspark_jax.config import load_config, preset_path
+
+    target, data = tiny_target
+    root = tmp_path_factory.mktemp("tiny_pair")
+    cfg = load_config(preset_path("dspark-tiny"), [
+        f"train.target_dir={target}", f"train.data_file={data}", f"train.workdir={root / 'run'}",
+        "train.max_steps=150", "train.checkpoint_every=100000", "mesh.data=1"])
+    assert trainer.run(cfg)["step"] == 150
+    cfg, params, _ = trainer.load_drafter_params(root / "run")
+    _, target_params = trainer.load_target_for(cfg, None)
+    drafter = deepspec.save_drafter(params, cfg.target, cfg.drafter, target_params, root / "drafter")
+    return target, root / "run", drafter

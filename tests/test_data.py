@@ -10,8 +10,6 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from dspark_jax.data import (
     BatchIterator,
@@ -22,9 +20,8 @@ from dspark_jax.data import (
     write_synthetic_conversations,
 )
 from dspark_jax.errors import ConfigError, DataError
-from dspark_jax.tokenizer import Tokenizer, encode_training_record, load_tokenizer
+from dspark_jax.tokenizer import Tokenizer, encode_training_record, load_tokenizer, train_bpe_tokenizer
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 BLOCK = 4
 
 
@@ -34,17 +31,7 @@ def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     path = tmp_path_factory.mktemp("data_tok")
     corpus = write_synthetic_conversations(path / "corpus.jsonl", 200, seed=123)
     texts = [m["content"] for line in corpus.read_text().splitlines() for m in json.loads(line)["conversations"]]
-    backend = HFTokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    backend.train_from_iterator(texts + ["user assistant system"], trainer=trainer)
-    backend.save(str(path / "tokenizer.json"))
+    train_bpe_tokenizer(texts, 400, path)
     return load_tokenizer(path)
 
 

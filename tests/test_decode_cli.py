@@ -78,24 +78,9 @@ def chatml(*messages) -> str:
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_target, tmp_path_factory):
-    """(target dir, exported drafter dir): ~100 drafter steps, checkpointed at the end."""
-    from dspark_jax import deepspec, trainer
-    from dspark_jax.config import load_config, preset_path
-
-    target, data = tiny_target
-    root = tmp_path_factory.mktemp("decode_pair")
-    cfg = load_config(preset_path("dspark-tiny"), [
-        f"train.target_dir={target}", f"train.data_file={data}", f"train.workdir={root / 'run'}",
-        "train.max_steps=100", "train.checkpoint_every=100000", "mesh.data=1"])
-    summary = trainer.run(cfg)
-    assert summary["step"] == 100
-    cfg, params, step = trainer.load_drafter_params(root / "run")
-    assert step == 100
-    _, target_params = trainer.load_target_for(cfg, None)
-    drafter = deepspec.save_drafter(params, cfg.target, cfg.drafter, target_params, root / "drafter")
-    assert cfg.drafter.block_size == BLOCK
-    return target, drafter
+def pair(tiny_pair):
+    """(target dir, exported drafter dir) of the session's tiny trained pair."""
+    return tiny_pair[0], tiny_pair[2]
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from dspark_jax import hf_checkpoint, trainer
-from dspark_jax.config import load_config, preset_path
 from dspark_jax.drafter import drafter_spec
 from dspark_jax.engine import Engine, RecompileError, Request
 from dspark_jax.errors import DSparkError
@@ -20,14 +19,9 @@ SMALL = dict(max_len=S, prefill_buckets=(32, S), max_prefill_batch=2)
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_target, tmp_path_factory):
+def pair(tiny_pair):
     """(tcfg, target params, dcfg, trained drafter params, random drafter params, tokenizer)."""
-    target, data = tiny_target
-    work = tmp_path_factory.mktemp("engine_drafter")
-    cfg = load_config(preset_path("dspark-tiny"), [
-        f"train.target_dir={target}", f"train.data_file={data}", f"train.workdir={work}",
-        "train.max_steps=150", "train.checkpoint_every=150", "mesh.data=1"])
-    trainer.run(cfg)
+    target, work, _ = tiny_pair
     cfg, dparams, _ = trainer.load_drafter_params(work)
     tcfg, tparams = hf_checkpoint.load_target(target, target_layer_ids=list(cfg.target.target_layer_ids),
                                               mask_token_id=cfg.target.mask_token_id)

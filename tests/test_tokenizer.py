@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from dspark_jax.errors import CheckpointError, DataError
 from dspark_jax.tokenizer import (
+    train_bpe_tokenizer,
     PromptRecord,
     Tokenizer,
     encode_chat_prompt,
@@ -40,17 +40,8 @@ GOLDEN_DIR = Path(__file__).resolve().parents[2] / "shared/reference/golden/targ
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkpoint dir with a tiny byte-level BPE tokenizer and config files."""
     path = tmp_path_factory.mktemp("tiny_ckpt")
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 5, trainer=trainer)
-    tok.save(str(path / "tokenizer.json"))
+    train_bpe_tokenizer(CORPUS * 5, 300, path)
+    tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
     im_end = tok.token_to_id("<|im_end|>")
     (path / "config.json").write_text(json.dumps({"eos_token_id": im_end}))
     # 7 is an ordinary token listed as an extra eos id, to check the union.
