@@ -40,7 +40,10 @@ def main(argv=None) -> int:
 
     if args.num_processes > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(f"127.0.0.1:{args.port}", args.num_processes, args.process_id,
+        address = f"127.0.0.1:{args.port}"
+        # The coordinator (process 0) would otherwise listen on all interfaces ([::]:PORT).
+        jax.distributed.initialize(address, args.num_processes, args.process_id,
+                                   coordinator_bind_address=address,
                                    initialization_timeout=args.init_timeout,
                                    heartbeat_timeout_seconds=30)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -40,6 +41,7 @@ WORKER = REPO / "tests" / "multiprocess_worker.py"
 LOSS_ATOL = 2e-5
 MAX_STEPS, STOP_AFTER, CHECKPOINT_EVERY = 9, 6, 3
 JOB_TIMEOUT_S = 240
+PORT_TAKEN = re.compile(r"address already in use|failed to add port", re.IGNORECASE)
 
 
 def _gloo_available() -> bool:
@@ -140,11 +142,17 @@ def runs(tiny_target, tmp_path_factory):
     for name, nproc, ndev, work, stop in (("single", 1, 8, single_work, None),
                                           ("multi", 2, 4, multi_work, STOP_AFTER),
                                           ("resume", 2, 4, multi_work, None)):
-        job = Job(name, root, nproc, ndev, overrides(work), stop_after=stop)
-        try:
-            results[name] = job.wait()
-        finally:
-            job.kill()
+        for attempt in range(3):
+            job = Job(name, root, nproc, ndev, overrides(work), stop_after=stop)
+            try:
+                results[name] = job.wait()
+                break
+            except AssertionError:
+                # The free port found by free_port() may be taken before the coordinator binds it.
+                if attempt == 2 or not PORT_TAKEN.search(job.output()):
+                    raise
+            finally:
+                job.kill()
         walls[name] = job.wall_s
     print("wall: " + ", ".join(f"{k} {v:.1f}s" for k, v in walls.items()))
     return {"multi": results["multi"], "single": results["single"][0],
