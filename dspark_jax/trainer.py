@@ -21,6 +21,7 @@ import orbax.checkpoint as ocp
 from dspark_jax import hf_checkpoint
 from dspark_jax.config import Config, from_dict, to_dict
 from dspark_jax.data import BatchIterator, load_conversations, make_global_batch
+from dspark_jax.distributed import any_process
 from dspark_jax.drafter import drafter_spec
 from dspark_jax.errors import CheckpointError, ConfigError, DSparkError
 from dspark_jax.params import abstract, count_params, init_params
@@ -101,12 +102,14 @@ def checkpoint_manager(cfg: Config) -> ocp.CheckpointManager:
                                  options=options, item_names=("state", "data", "config"))
 
 
-def save_checkpoint(mngr: ocp.CheckpointManager, state: TrainState, data_state: dict,
-                    cfg: Config, *, force: bool = False) -> bool:
+def save_checkpoint(mngr: ocp.CheckpointManager, state: TrainState, iterator_state: dict,
+                    cfg: Config, total_steps: int) -> bool:
+    """Saves (asynchronously) the train state, the data position and the resolved config."""
     step = int(jax.device_get(state.step))
+    data = {"iterator": iterator_state, "total_steps": total_steps}
     return mngr.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
-        config=ocp.args.JsonSave(to_dict(cfg))), force=force)
+        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data),
+        config=ocp.args.JsonSave(to_dict(cfg))), force=True)
 
 
 def check_resumable(saved: dict, cfg: Config, where: str) -> None:
@@ -124,7 +127,8 @@ def check_resumable(saved: dict, cfg: Config, where: str) -> None:
 
 def restore_checkpoint(mngr: ocp.CheckpointManager, template: TrainState, cfg: Config,
                        step: int | None = None):
-    """(state, data_state, step) of `step` (default: the latest complete one), or None."""
+    """(state, {"iterator": data position, "total_steps": n}, step) of `step` (default: the
+    latest complete one), or None."""
     step = mngr.latest_step() if step is None else step
     if step is None:
         return None
@@ -150,7 +154,7 @@ def load_drafter_params(workdir: str | Path, step: int | None = None):
         raise CheckpointError(f"{directory}: step {step} not found; available steps {list(steps)}")
     cfg = from_dict(Config, mngr.restore(step, args=ocp.args.Composite(
         config=ocp.args.JsonRestore())).config)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
                           abstract(drafter_spec(cfg.target, cfg.drafter)))
     restored = mngr.restore(step, args=ocp.args.Composite(
@@ -194,9 +198,13 @@ def run(cfg: Config, *, log: Callable[[str], None] = lambda s: None,
     mngr = checkpoint_manager(cfg)
     resumed = restore_checkpoint(mngr, state, cfg)
     if resumed is not None:
-        state, data_state, step = resumed
-        s.iterator.restore(data_state)
+        state, data, step = resumed
+        s.iterator.restore(data["iterator"])
         log(f"resumed from {mngr.directory}/{step}")
+        saved_total = data["total_steps"]
+        if saved_total != s.total_steps:
+            log(f"warning: the run now has {s.total_steps} steps, the checkpoint's run had "
+                f"{saved_total}: the learning-rate schedule changes from here on")
     step_fn = make_train_step(cfg, s.optimizer, shard)
     start_step = int(jax.device_get(state.step))
     tokens_per_step = cfg.train.global_batch_size * cfg.train.max_length
@@ -231,7 +239,9 @@ def run(cfg: Config, *, log: Callable[[str], None] = lambda s: None,
     stopped = "done"
     try:
         for step in range(start_step, s.total_steps):
-            if should_stop():
+            # A signal reaches the processes of a job at different times: stop together, or the
+            # ones that go on would wait forever in the next step's collectives.
+            if any_process(should_stop()):
                 stopped = "signal"
                 break
             batch = make_global_batch(next(s.iterator), s.mesh)
@@ -249,12 +259,12 @@ def run(cfg: Config, *, log: Callable[[str], None] = lambda s: None,
                 report(step)
             if (step + 1) % cfg.train.checkpoint_every == 0 or step + 1 == s.total_steps:
                 drain()  # never save a state whose loss went non-finite
-                save_checkpoint(mngr, state, s.iterator.state(), cfg, force=True)
+                save_checkpoint(mngr, state, s.iterator.state(), cfg, s.total_steps)
                 last_good = step + 1
         drain()
         report(s.total_steps - 1)
         if stopped == "signal" and int(jax.device_get(state.step)) != (mngr.latest_step() or 0):
-            save_checkpoint(mngr, state, s.iterator.state(), cfg, force=True)
+            save_checkpoint(mngr, state, s.iterator.state(), cfg, s.total_steps)
             log(f"stop requested: saved step {int(jax.device_get(state.step))}")
     finally:
         mngr.wait_until_finished()

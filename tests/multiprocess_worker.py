@@ -7,8 +7,8 @@ With N > 1 the process joins a `jax.distributed` job (coordinator 127.0.0.1:P, g
 collectives) before anything touches a device; with N == 1 it runs alone. It then runs
 `trainer.run` on the preset with the overrides and writes a JSON file: its process index/count,
 device counts, every step's metrics (from `on_step`), the `log` lines and the run's summary.
-`--stop-after K` makes `should_stop` answer True from its (K+1)-th call, i.e. after K steps: the
-same answer in every process, so they all stop at the same step.
+`--stop-after K` makes `should_stop` answer True from its (K+1)-th call, i.e. after K steps; the
+trainer makes the processes agree, so with different K they all stop after the smallest.
 
 The device count per process comes from XLA_FLAGS (--xla_force_host_platform_device_count), which
 the caller sets in the environment: it must be set before jax is imported.
@@ -39,13 +39,10 @@ def main(argv=None) -> int:
     import jax
 
     if args.num_processes > 1:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        address = f"127.0.0.1:{args.port}"
-        # The coordinator (process 0) would otherwise listen on all interfaces ([::]:PORT).
-        jax.distributed.initialize(address, args.num_processes, args.process_id,
-                                   coordinator_bind_address=address,
-                                   initialization_timeout=args.init_timeout,
-                                   heartbeat_timeout_seconds=30)
+        from dspark_jax import distributed
+
+        distributed.initialize(f"127.0.0.1:{args.port}", args.num_processes, args.process_id,
+                               timeout_s=args.init_timeout)
 
     from dspark_jax import trainer
     from dspark_jax.config import load_config, preset_path

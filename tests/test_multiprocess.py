@@ -67,7 +67,7 @@ class Job:
     """The processes of one run, started together; output of each in its own log file."""
 
     def __init__(self, name: str, root: Path, num_processes: int, devices_per_process: int,
-                 overrides: list[str], stop_after: int | None = None):
+                 overrides: list[str], stop_after: int | list[int] | None = None):
         self.name, self.root = name, root
         root.mkdir(parents=True, exist_ok=True)
         port = free_port() if num_processes > 1 else 0
@@ -79,8 +79,9 @@ class Job:
         for i in range(num_processes):
             cmd = [sys.executable, str(WORKER), "--process-id", str(i), "--num-processes",
                    str(num_processes), "--port", str(port), "--out", str(self.outs[i])]
-            if stop_after is not None:
-                cmd += ["--stop-after", str(stop_after)]
+            stop = stop_after[i] if isinstance(stop_after, (list, tuple)) else stop_after
+            if stop is not None:
+                cmd += ["--stop-after", str(stop)]
             with open(self.logs[i], "w") as log:
                 self.procs.append(subprocess.Popen(cmd + ["--", *overrides], cwd=REPO, env=env,
                                                    stdout=log, stderr=subprocess.STDOUT))
@@ -140,7 +141,9 @@ def runs(tiny_target, tmp_path_factory):
     # process waiting in a collective for its peer still burns CPU).
     results, walls = {}, {}
     for name, nproc, ndev, work, stop in (("single", 1, 8, single_work, None),
-                                          ("multi", 2, 4, multi_work, STOP_AFTER),
+                                          # The stop request reaches the processes at different
+                                          # steps, as a signal would: they must stop together.
+                                          ("multi", 2, 4, multi_work, [STOP_AFTER, STOP_AFTER + 2]),
                                           ("resume", 2, 4, multi_work, None)):
         for attempt in range(3):
             job = Job(name, root, nproc, ndev, overrides(work), stop_after=stop)

@@ -31,12 +31,22 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="YAML preset (a path or a name in configs/)")
     ap.add_argument("overrides", nargs="*", help="section.key=value")
+    dist = ap.add_argument_group("multi-process jobs (one command per process)")
+    dist.add_argument("--distributed", action="store_true",
+                      help="join a jax.distributed job detected from the environment (TPU pods, SLURM...)")
+    dist.add_argument("--coordinator", help="host:port of process 0 (explicit alternative to detection)")
+    dist.add_argument("--num-processes", type=int)
+    dist.add_argument("--process-id", type=int)
     args = ap.parse_args(argv)
 
     import jax
     from tensorboardX import SummaryWriter
 
-    from dspark_jax import trainer
+    from dspark_jax import distributed, trainer
+
+    if args.distributed or args.coordinator:
+        # Before anything touches a device; and before our signal handlers, which must win.
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
     stop = {"requested": False}
 
