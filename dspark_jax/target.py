@@ -83,11 +83,13 @@ def lm_head(params, cfg: TargetConfig, hidden_btd: jax.Array) -> jax.Array:
                       preferred_element_type=jnp.float32)
 
 
-def _run_layers(params, cfg: TargetConfig, x: jax.Array, positions: jax.Array, attend, kv_in):
-    """The decoder stack under lax.scan; returns (final normed hidden, taps [.., m*d], kv_out).
+def _run_layers(params, cfg: TargetConfig, x: jax.Array, positions: jax.Array, attend, kv):
+    """The decoder stack under lax.scan; returns (final normed hidden, taps [.., m*d], kv).
 
-    `attend(q, k, v, kv) -> (out, kv)` is the only part that differs between the full, cached and
-    flat forwards: it sees rotated q/k and this layer's cache slice (or None).
+    `attend(q, k, v, kv, layer_id) -> (out, kv)` is the only part that differs between the full,
+    cached and flat forwards: it sees rotated q/k and the whole cache (or None). The cache rides in
+    the scan carry and is updated by scatters at the layer index, so a donated cache is written in
+    place: a round costs the new tokens' keys and values, not a copy of the cache.
     """
     B, T, d = x.shape
     eps = cfg.rms_norm_eps
@@ -103,11 +105,11 @@ def _run_layers(params, cfg: TargetConfig, x: jax.Array, positions: jax.Array, a
         taps_buf = taps_buf.at[0].set(x)
 
     def layer_step(carry, xs):
-        x, taps_buf = carry
-        layer, layer_id, kv = xs
+        x, taps_buf, kv = carry
+        layer, layer_id = xs
         q, k, v = project_qkv(rms_norm(x, layer["attn_norm"], eps), layer, eps)
         q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
-        out, kv = attend(q, k, v, kv)
+        out, kv = attend(q, k, v, kv, layer_id)
         x = x + jnp.einsum("btnh,nhd->btd", out, layer["wo"])
         h = rms_norm(x, layer["mlp_norm"], eps)
         x = x + swiglu(h, layer["w_gate"], layer["w_up"], layer["w_down"])
@@ -115,13 +117,13 @@ def _run_layers(params, cfg: TargetConfig, x: jax.Array, positions: jax.Array, a
         safe = jnp.maximum(slot, 0)
         keep = jnp.where(slot >= 0, x, taps_buf[safe])
         taps_buf = jax.lax.dynamic_update_index_in_dim(taps_buf, keep, safe, 0)
-        return (x, taps_buf), kv
+        return (x, taps_buf, kv), None
 
     layer_ids = jnp.arange(cfg.num_hidden_layers)
-    (x, taps_buf), kv_out = jax.lax.scan(layer_step, (x, taps_buf), (params["layers"], layer_ids, kv_in))
+    (x, taps_buf, kv), _ = jax.lax.scan(layer_step, (x, taps_buf, kv), (params["layers"], layer_ids))
     hidden = rms_norm(x, params["final_norm"], eps)
     taps = jnp.moveaxis(taps_buf[:m], 0, 2).reshape(B, T, m * d)
-    return hidden, taps, kv_out
+    return hidden, taps, kv
 
 
 def forward(params, cfg: TargetConfig, tokens: jax.Array, positions: jax.Array, *,
@@ -140,7 +142,7 @@ def forward(params, cfg: TargetConfig, tokens: jax.Array, positions: jax.Array, 
 
     if cache is None:
         mask = (positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :]
-        attend = lambda q, k, v, kv: (attention(q, k, v, mask), None)
+        attend = lambda q, k, v, kv, layer_id: (attention(q, k, v, mask), None)
         kv_in = None
     else:
         S = cache.max_len
@@ -148,10 +150,10 @@ def forward(params, cfg: TargetConfig, tokens: jax.Array, positions: jax.Array, 
         write_pos = jnp.where(valid, positions, S)  # out of range: dropped by the scatter
         rows = jnp.arange(B)[:, None]
 
-        def attend(q, k, v, kv):
-            ck = kv[0].at[rows, write_pos].set(k, mode="drop")
-            cv = kv[1].at[rows, write_pos].set(v, mode="drop")
-            return attention(q, ck, cv, mask), (ck, cv)
+        def attend(q, k, v, kv, layer_id):
+            ck = kv[0].at[layer_id, rows, write_pos].set(k, mode="drop")
+            cv = kv[1].at[layer_id, rows, write_pos].set(v, mode="drop")
+            return attention(q, ck[layer_id], cv[layer_id], mask), (ck, cv)
 
         kv_in = (cache.k, cache.v)
     hidden, taps, kv_out = _run_layers(params, cfg, x, positions, attend, kv_in)
@@ -182,12 +184,13 @@ def forward_flat(params, cfg: TargetConfig, cache: KVCache, tokens: jax.Array, r
     grid_pos = jnp.full((R * width,), -1, jnp.int32).at[grid].set(positions, mode="drop")
     mask = jnp.arange(S)[None, None, :] <= grid_pos.reshape(R, width)[:, :, None]  # [R,W,S]
 
-    def attend(q, k, v, kv):
-        ck = kv[0].at[rows, write_pos].set(k[0], mode="drop")
-        cv = kv[1].at[rows, write_pos].set(v[0], mode="drop")
+    def attend(q, k, v, kv, layer_id):
+        ck = kv[0].at[layer_id, rows, write_pos].set(k[0], mode="drop")
+        cv = kv[1].at[layer_id, rows, write_pos].set(v[0], mode="drop")
         n, h = q.shape[2:]
         q_grid = jnp.zeros((R * width, n, h), q.dtype).at[grid].set(q[0], mode="drop")
-        out = attention(q_grid.reshape(R, width, n, h), ck, cv, mask).reshape(R * width, n, h)
+        out = attention(q_grid.reshape(R, width, n, h), ck[layer_id], cv[layer_id], mask)
+        out = out.reshape(R * width, n, h)
         return out[jnp.minimum(grid, R * width - 1)][None], (ck, cv)
 
     hidden, taps, kv_out = _run_layers(params, cfg, x, positions[None], attend, (cache.k, cache.v))
