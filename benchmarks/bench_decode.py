@@ -7,7 +7,7 @@ Without an existing --pair directory, one is built first with `python -m train.t
 (batch R, temperature) the same prompts are decoded by plain target decoding and by the drafter with
 fixed(γ) through engines with R slots; throughput is measured after warm-up. The round split times the
 compiled round, the drafter's proposal and the flat verification separately on a full batch;
-host time is the wall time per round minus the compiled round's device time.
+host+prefill is the wall time per round (prefill included) minus the compiled round's time.
 """
 
 import argparse
@@ -90,7 +90,7 @@ def main():
           f"{tcfg.num_hidden_layers}x{tcfg.hidden_size}, drafter {dcfg.num_draft_layers} layers, block "
           f"{dcfg.block_size}; {args.max_new_tokens} new tokens per request")
     header = (f"{'R':>3} {'T':>4} | {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} | {'tau':>5} "
-              f"{'acc':>5} | round ms: {'total':>6} {'propose':>7} {'verify':>6} {'host':>6}")
+              f"{'acc':>5} | round ms: {'total':>6} {'propose':>7} {'verify':>6} {'host+prefill':>12}")
     print(header)
     for R in [int(b) for b in args.batches.split(",")]:
         kw = dict(slots=R, max_len=args.max_len, prefill_buckets=(32, args.max_len), max_prefill_batch=8)
@@ -114,7 +114,7 @@ def main():
             print(f"{R:>3} {T:>4.1f} | {mp['output_tokens_per_s']:>11,.0f} {ms['output_tokens_per_s']:>10,.0f} "
                   f"{ms['output_tokens_per_s'] / mp['output_tokens_per_s']:>6.2f}x | {ms['tau']:>5.2f} "
                   f"{ms['acceptance_rate']:>5.2f} | {'':>9} {t_round * 1e3:>6.2f} {t_prop * 1e3:>7.2f} "
-                  f"{t_ver * 1e3:>6.2f} {max(wall - t_round, 0) * 1e3:>6.2f}", flush=True)
+                  f"{t_ver * 1e3:>6.2f} {max(wall - t_round, 0) * 1e3:>12.2f}", flush=True)
     print("command: python " + " ".join(sys.argv))
 
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dspark_jax.acceptance import accept
 from dspark_jax.config import DrafterConfig, TargetConfig
@@ -30,6 +31,7 @@ from dspark_jax.drafter import DraftCache, extend_context, propose
 from dspark_jax.errors import DSparkError
 from dspark_jax.sampling import sample, target_probs
 from dspark_jax.schedulers import SchedulerConfig, schedule
+from dspark_jax.sharding import logical_to_spec
 from dspark_jax.target import KVCache, forward, forward_flat
 
 RUNNING, STOP, LENGTH, CONTEXT = 0, 1, 2, 3
@@ -128,7 +130,7 @@ class Engine:
                  drafter_params=None, *, slots: int = 8, max_len: int = 512,
                  scheduler: SchedulerConfig = SchedulerConfig(), prefill_buckets: Iterable[int] = (),
                  max_prefill_batch: int = 8, max_stop_ids: int = 8, seed: int = 0,
-                 acceptance: Callable = accept):
+                 acceptance: Callable = accept, mesh: Mesh | None = None):
         if (dcfg is None) != (drafter_params is None):
             raise ValueError("give both the drafter config and its params, or neither")
         if max_len > tcfg.max_position_embeddings:
@@ -150,7 +152,12 @@ class Engine:
         # Verification buckets: multiples of the per-request width up to all slots full.
         per = 1 + self.max_verify
         self.verify_buckets = sorted({min(b, slots) * per for b in _powers_of_two(1, slots)})
+        self.mesh = mesh
+        if mesh is not None and slots % (mesh.shape["data"] * mesh.shape["fsdp"]):
+            raise DSparkError(f"slots {slots} must be a multiple of the mesh's data x fsdp size "
+                              f"{mesh.shape['data'] * mesh.shape['fsdp']}")
         self.state = self._init_state(seed)
+        self._state_sharding = jax.tree.map(lambda x: x.sharding, self.state)
         self._compiled: dict[tuple, Any] = {}
         self._warm = False
         self.guard = False  # True: any compilation after warm-up is an error
@@ -169,7 +176,16 @@ class Engine:
         draft = DraftCache.create(self.tcfg, self.dcfg, R, self.S) if self.dcfg else None
         state = EngineState(slots=slots, target_cache=KVCache.create(self.tcfg, R, self.S),
                             draft_cache=draft, key=jax.random.key(seed))
-        return jax.tree.map(jnp.asarray, state)
+        if self.mesh is None:
+            return jax.tree.map(jnp.asarray, state)
+        # Requests over (data, fsdp), KV heads over tensor; the small per-slot arrays replicated.
+        cache = NamedSharding(self.mesh, logical_to_spec(
+            ("layers", "batch", "cache_seq", "kv_heads", "head_dim")))
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        shard = jax.tree.map(lambda _: replicated, state)
+        shard = shard.replace(target_cache=KVCache(k=cache, v=cache),
+                              draft_cache=None if draft is None else DraftCache(k=cache, v=cache))
+        return jax.device_put(state, shard)
 
     def _prefill(self, state: EngineState, tparams, dparams, slot_idx, tokens, lengths, max_new,
                  temperature, top_p, top_k, stop_ids):
@@ -278,12 +294,17 @@ class Engine:
         if key not in self._compiled:
             if self._warm and self.guard:
                 raise RecompileError(f"no compiled program for {key} (recompile guard on)")
+            # The state keeps its shardings round after round (a compiled program accepts only
+            # the shardings it was compiled for); the small outputs come back replicated.
+            out = None if self.mesh is None else (
+                self._state_sharding, NamedSharding(self.mesh, PartitionSpec()))
             if kind == "round":
-                fn = jax.jit(lambda st, tp, dp: self._round(st, tp, dp, static[0]), donate_argnums=0)
+                fn = jax.jit(lambda st, tp, dp: self._round(st, tp, dp, static[0]), donate_argnums=0,
+                             out_shardings=out)
                 args = (self.state, self.tparams, self.dparams)
             else:
                 J, P = static
-                fn = jax.jit(self._prefill, donate_argnums=0)
+                fn = jax.jit(self._prefill, donate_argnums=0, out_shardings=out)
                 args = (self.state, self.tparams, self.dparams, *self._prefill_args(J, P))
             self._compiled[key] = fn.lower(*args).compile()
         return self._compiled[key]

@@ -38,6 +38,8 @@ def parse_args(argv):
     ap.add_argument("--verify-len", type=int, default=0, help="fixed(ℓ); 0 = the block size")
     ap.add_argument("--threshold", type=float, default=0.5, help="threshold(t) on confidences")
     ap.add_argument("--prefill-buckets", default="", help="comma-separated prompt-length buckets")
+    ap.add_argument("--data-parallel", type=int, default=1, help="mesh axis for requests")
+    ap.add_argument("--tensor-parallel", type=int, default=1, help="mesh axis for weights/KV heads")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--recompile-guard", action="store_true",
                     help="fail if anything compiles after warm-up")
@@ -57,6 +59,8 @@ def parse_args(argv):
         problems.append(f"--threshold {args.threshold}: must be in [0, 1]")
     if args.verify_len < 0:
         problems.append(f"--verify-len {args.verify_len}: must be >= 0")
+    if args.data_parallel < 1 or args.tensor_parallel < 1:
+        problems.append("--data-parallel and --tensor-parallel must be >= 1")
     if args.max_len < 0:
         problems.append(f"--max-len {args.max_len}: must be >= 1 (or 0 for the default)")
     try:
@@ -71,13 +75,13 @@ def parse_args(argv):
     return args
 
 
-def load_models(args):
-    """(tcfg, target params, dcfg | None, drafter params | None); the drafter says which target
-    layers it reads and its mask token."""
+def load_models(args, mesh):
+    """(tcfg, target params, dcfg | None, drafter params | None), placed on `mesh`; the drafter
+    says which target layers it reads and its mask token."""
     from dspark_jax import deepspec, hf_checkpoint
 
     if args.drafter.lower() == "none":
-        tcfg, tparams = hf_checkpoint.load_target(args.target)
+        tcfg, tparams = hf_checkpoint.load_target(args.target, mesh=mesh)
         return tcfg, tparams, None, None
     where = Path(args.drafter) / "config.json"
     drafter_cfg = hf_checkpoint.read_json(where)
@@ -90,8 +94,9 @@ def load_models(args):
         dataclasses.replace(base, target_layer_ids=tuple(taps), mask_token_id=mask)
     except DSparkError as e:
         raise DSparkError(f"{where}: does not fit the target {args.target}: {e}") from None
-    tcfg, tparams = hf_checkpoint.load_target(args.target, target_layer_ids=taps, mask_token_id=mask)
-    dcfg, dparams = deepspec.load_drafter(args.drafter, tcfg, tparams)
+    tcfg, tparams = hf_checkpoint.load_target(args.target, mesh=mesh, target_layer_ids=taps,
+                                              mask_token_id=mask)
+    dcfg, dparams = deepspec.load_drafter(args.drafter, tcfg, tparams, mesh=mesh)
     if args.verify_len > dcfg.block_size:
         raise DSparkError(f"--verify-len {args.verify_len} exceeds the drafter's block size "
                           f"{dcfg.block_size}")
@@ -159,19 +164,22 @@ class Progress:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from dspark_jax.config import MeshConfig
     from dspark_jax.engine import Engine
     from dspark_jax.schedulers import SchedulerConfig
+    from dspark_jax.sharding import make_mesh
     from dspark_jax.tokenizer import load_tokenizer
 
     try:
         if not Path(args.prompts).is_file():
             raise DSparkError(f"{args.prompts}: prompt file not found")
         tokenizer = load_tokenizer(args.target)
-        tcfg, tparams, dcfg, dparams = load_models(args)
+        mesh = make_mesh(MeshConfig(data=args.data_parallel, fsdp=1, tensor=args.tensor_parallel))
+        tcfg, tparams, dcfg, dparams = load_models(args, mesh)
         max_len = args.max_len or min(2048, tcfg.max_position_embeddings)
         engine = Engine(tcfg, tparams, dcfg, dparams, slots=args.slots, max_len=max_len,
                         scheduler=SchedulerConfig(args.scheduler, args.verify_len, args.threshold),
-                        prefill_buckets=args.prefill_buckets, seed=args.seed)
+                        prefill_buckets=args.prefill_buckets, seed=args.seed, mesh=mesh)
         requests, texts, errors = read_requests(args, tokenizer, engine)
         mode = "plain target decoding" if dcfg is None else (
             f"speculative, block {dcfg.block_size}, {args.scheduler}"

@@ -176,3 +176,23 @@ def test_bad_requests(plain):
         plain.check_request(Request(id="l", prompt_ids=(5,) * 97, max_new_tokens=3))
     with pytest.raises(DSparkError, match="outside the vocabulary"):
         plain.check_request(Request(id="v", prompt_ids=(100000,), max_new_tokens=3))
+
+
+def test_sharded_engine_matches_single_device(pair, requests, plain_results):
+    """Requests over data, KV heads and weights over tensor (2 x 2 of the 8 fake devices)."""
+    from dspark_jax.config import MeshConfig
+    from dspark_jax.drafter import drafter_spec
+    from dspark_jax.params import shardings
+    from dspark_jax.sharding import make_mesh
+    from dspark_jax.target import target_spec
+
+    tcfg, tparams, dcfg, dparams = pair[:4]
+    mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=2))
+    tp = jax.device_put(tparams, shardings(target_spec(tcfg), mesh))
+    dp = jax.device_put(dparams, shardings(drafter_spec(tcfg, dcfg), mesh))
+    engine = Engine(tcfg, tp, dcfg, dp, slots=4, scheduler=SchedulerConfig("fixed", 0), mesh=mesh, **SMALL)
+    assert engine.state.target_cache.k.sharding.spec == jax.sharding.PartitionSpec(
+        None, ("data", "fsdp"), None, "tensor", None)
+    results, metrics = run(engine, requests)
+    assert_same(results, plain_results)
+    assert metrics["compilations_after_warmup"] == 0
