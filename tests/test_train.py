@@ -175,7 +175,7 @@ def test_cli_sigkill_during_save_resumes_from_last_complete(tiny_target, tmp_pat
     cfg = load_config(preset_path("dspark-tiny"), args[:-4] + ["train.max_steps=" + str(complete[-1] + 2)])
     summary = trainer.run(cfg, log=logs.append)
     resumed = [line for line in logs if line.startswith("resumed from")]
-    assert resumed and resumed[0].endswith(f"/{complete[-1]}") or resumed, logs
+    assert resumed and resumed[0].endswith(f"/{complete[-1]}"), (logs, complete)
     assert summary["step"] == complete[-1] + 2
 
 
