@@ -1,7 +1,7 @@
 """Drafter train-step throughput and memory for the tiny preset and a medium one, with the share of
 step time spent in the frozen target forward.
 
-    python benchmarks/bench_train.py [--only tiny|medium] [--steps 3]
+    python benchmarks/bench_train.py [--only tiny|medium] [--steps 3] [--attention-chunk 0,64]
 
 medium: target hidden 1024, 8 layers, 16 heads (8 KV), vocabulary 32k, sequence 2048; drafter 2
 layers, block 7, Markov rank 256, 512 anchors, batch 1. Tokens/s counts sequence tokens (batch x
@@ -58,9 +58,10 @@ def timed(fn, steps):
     return float(np.median(times))
 
 
-def bench(name: str, steps: int):
+def bench(name: str, steps: int, chunk: int):
     p = PRESETS[name]
-    cfg = Config(target=TargetConfig(**p["target"]), drafter=DrafterConfig(**p["drafter"]),
+    cfg = Config(target=TargetConfig(**p["target"]),
+                 drafter=DrafterConfig(**p["drafter"], attention_chunk=chunk),
                  mesh=MeshConfig(data=1), train=TrainConfig(max_length=p["length"], loss=LossConfig()))
     mesh = make_mesh(cfg.mesh)
     target = init_params(target_spec(cfg.target), jax.random.key(1), mesh)
@@ -91,7 +92,7 @@ def bench(name: str, steps: int):
     est = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes) if mem else 0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"{name:7s} target {count_params(target) / 1e6:7.1f}M  drafter {count_params(state.params) / 1e6:6.1f}M  "
-          f"batch {p['batch']} x {p['length']}  anchors {cfg.drafter.num_anchors}  | step {t_step * 1e3:9.1f} ms  "
+          f"batch {p['batch']} x {p['length']}  anchors {cfg.drafter.num_anchors}  chunk {chunk}  | step {t_step * 1e3:9.1f} ms  "
           f"{tokens / t_step:10,.0f} tok/s  | target forward {100 * t_target / t_step:4.1f} % of step  | "
           f"XLA peak estimate {est / 2**30:.2f} GiB, process peak RSS {rss:.2f} GiB")
 
@@ -100,10 +101,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=sorted(PRESETS))
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--attention-chunk", default="0",
+                    help="comma-separated drafter.attention_chunk values to compare (0 = unchunked)")
     args = ap.parse_args()
     print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.device_count()} devices)")
     for name in [args.only] if args.only else ["tiny", "medium"]:
-        bench(name, args.steps)
+        for chunk in (int(c) for c in args.attention_chunk.split(",")):
+            bench(name, args.steps, chunk)
     print("command: python " + " ".join(sys.argv))
 
 

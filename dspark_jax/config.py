@@ -94,8 +94,13 @@ class DrafterConfig:
     confidence_head_with_markov: bool = True
     num_anchors: int = 512  # anchored blocks per training sequence
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; master weights are float32
+    # Training attention over this many anchored blocks at a time (0 = all at once): bounds the
+    # [blocks, heads, block, context] scores; recomputed in the backward pass.
+    attention_chunk: int = 0
 
     def __post_init__(self):
+        _require(self.attention_chunk >= 0, "attention_chunk",
+                 f"must be >= 0, got {self.attention_chunk}")
         _require(self.num_draft_layers >= 1, "num_draft_layers", f"must be >= 1, got {self.num_draft_layers}")
         _require(self.block_size >= 2, "block_size", f"must be >= 2, got {self.block_size}")
         _require(self.markov_rank >= 0, "markov_rank", f"must be >= 0, got {self.markov_rank}")

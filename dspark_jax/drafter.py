@@ -100,10 +100,28 @@ def _block_attention(q_bntnh, k_ctx_bskh, v_ctx_bskh, k_blk_bntkh, v_blk_bntkh, 
     return out.reshape(B, N, T, n, h)
 
 
+def _chunked_block_attention(chunk: int, q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask):
+    """_block_attention over groups of `chunk` blocks, one group at a time, each rematerialised in
+    the backward pass: the [.., blocks, heads, T, S] scores exist for one group only, which is what
+    bounds training memory with hundreds of anchors over long sequences."""
+    B, N = q.shape[:2]
+    if not chunk or chunk >= N:
+        return _block_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask)
+    pad = -N % chunk
+    grouped = lambda a: jnp.moveaxis(
+        jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)).reshape(
+            B, (N + pad) // chunk, chunk, *a.shape[2:]), 1, 0)
+    step = jax.checkpoint(lambda xs: _block_attention(xs[0], k_ctx, v_ctx, xs[1], xs[2], xs[3]))
+    out = jax.lax.map(step, (grouped(q), grouped(k_blk), grouped(v_blk), grouped(ctx_mask)))
+    return jnp.moveaxis(out, 0, 1).reshape(B, N + pad, *q.shape[2:])[:, :N]
+
+
 def backbone(dparams, tcfg: TargetConfig, x_bntd: jax.Array, pos_bnt: jax.Array,
              ctx_mask_bns: jax.Array, *, h_ctx: jax.Array | None = None,
-             ctx_pos: jax.Array | None = None, cache: "DraftCache | None" = None) -> jax.Array:
-    """Draft layers + final norm over embedded blocks; context from `h_ctx` (training) or `cache`."""
+             ctx_pos: jax.Array | None = None, cache: "DraftCache | None" = None,
+             attention_chunk: int = 0) -> jax.Array:
+    """Draft layers + final norm over embedded blocks; context from `h_ctx` (training) or `cache`.
+    `attention_chunk` > 0 computes attention that many blocks at a time (training memory)."""
     B, N, T, d = x_bntd.shape
     eps = tcfg.rms_norm_eps
     flat_pos = pos_bnt.reshape(B, N * T)
@@ -118,7 +136,8 @@ def backbone(dparams, tcfg: TargetConfig, x_bntd: jax.Array, pos_bnt: jax.Array,
         q, k, v = project_qkv(rms_norm(xf, layer["attn_norm"], eps), layer, eps)
         q, k = rope(q, flat_pos, tcfg.rope_theta), rope(k, flat_pos, tcfg.rope_theta)
         split = lambda a: a.reshape(B, N, T, *a.shape[2:])
-        out = _block_attention(split(q), k_ctx, v_ctx, split(k), split(v), ctx_mask_bns)
+        out = _chunked_block_attention(attention_chunk, split(q), k_ctx, v_ctx, split(k), split(v),
+                                       ctx_mask_bns)
         x = x + jnp.einsum("bntqh,qhd->bntd", out, layer["wo"])
         x = x + swiglu(rms_norm(x, layer["mlp_norm"], eps).reshape(B, N * T, d), layer["w_gate"],
                        layer["w_up"], layer["w_down"]).reshape(B, N, T, d)
@@ -238,7 +257,8 @@ def train_forward(dparams, target_params, tcfg: TargetConfig, dcfg: DrafterConfi
     ctx_pos = jnp.broadcast_to(jnp.arange(L), (B, L))
     ctx_mask = ctx_pos[:, None, :] < anchors[..., None]  # block b sees context before its anchor
     h_ctx = context_features(dp, tcfg, taps)
-    h = backbone(dp, tcfg, x, pos, ctx_mask, h_ctx=h_ctx, ctx_pos=ctx_pos)
+    h = backbone(dp, tcfg, x, pos, ctx_mask, h_ctx=h_ctx, ctx_pos=ctx_pos,
+                 attention_chunk=dcfg.attention_chunk)
     logits = lm_head(target_params, tcfg, h.astype(target_params["embed"].dtype))
     prev = jnp.concatenate([anchor_tokens[..., None], labels[..., :-1]], axis=-1)
     bias, conf = heads_teacher_forced(dparams, dcfg, h, prev)

@@ -31,8 +31,10 @@ from dspark_jax.tokenizer import load_tokenizer
 from dspark_jax.train_step import (TrainState, describe_params, init_state, make_optimizer,
                                    make_train_step, state_shardings)
 
-# Config sections that must not change between a checkpoint and its resume.
+# Config sections that must not change between a checkpoint and its resume, and the keys in them
+# that only choose how to compute (free to change).
 MODEL_SECTIONS = ("target", "drafter")
+COMPUTE_ONLY_KEYS = {("drafter", "attention_chunk")}
 
 
 class TrainingError(DSparkError):
@@ -118,6 +120,8 @@ def check_resumable(saved: dict, cfg: Config, where: str) -> None:
     diff = []
     for section in MODEL_SECTIONS:
         for key in sorted(set(saved.get(section, {})) | set(now[section])):
+            if (section, key) in COMPUTE_ONLY_KEYS:
+                continue
             a, b = saved.get(section, {}).get(key), now[section].get(key)
             if a != b:
                 diff.append(f"{section}.{key}: checkpoint {a!r}, now {b!r}")

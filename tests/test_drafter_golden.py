@@ -1,6 +1,7 @@
 """The JAX drafter reproduces the golden tensors of the original PyTorch implementation
 (../shared/reference/golden): training forward, loss terms and one greedy proposal, every head type."""
 
+import dataclasses
 import json
 
 import jax
@@ -45,6 +46,10 @@ def test_training_forward_and_losses(case, target):
     tb = jax.jit(drafter.train_forward, static_argnums=(2, 3))(dp, tp, tcfg, dcfg, ids, lm, out.taps,
                                                                anchors, keep)
     em = g["train_eval_mask"].astype(bool)
+    # Attention over 3 blocks at a time (7 blocks: the last group padded) gives the same blocks.
+    chunked = jax.jit(drafter.train_forward, static_argnums=(2, 3))(
+        dp, tp, tcfg, dataclasses.replace(dcfg, attention_chunk=3), ids, lm, out.taps, anchors, keep)
+    np.testing.assert_allclose(chunked.logits, tb.logits, atol=1e-5, rtol=0)
     np.testing.assert_array_equal(tb.labels, g["train_target_ids"])
     np.testing.assert_array_equal(tb.eval_mask, em)
     np.testing.assert_allclose(np.asarray(tb.logits)[em], g["train_draft_logits"][em], atol=1e-4, rtol=0)
