@@ -1,8 +1,8 @@
 """Build the smallest real setup end to end: a tiny Qwen3 target fitted on synthetic chat data and a
 DSpark drafter trained against it, both written in their interchange formats.
 
-    python -m train.tiny_pair --out runs/tiny-pair [--preset dspark-tiny] [--target-steps 300] \
-        [--drafter-steps 400] [--records 1024]
+    python -m train.tiny_pair --out runs/tiny-pair [--preset dspark-tiny] [--target-steps 1500] \
+        [--drafter-steps 600] [--records 1024]
 
 Writes OUT/data/train.jsonl, OUT/data/prompts.jsonl (held-out prompts), OUT/target (Hugging Face
 Qwen3 directory with tokenizer), OUT/drafter-run (orbax training workdir) and OUT/drafter (DeepSpec
@@ -24,8 +24,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--preset", default="dspark-tiny", help="drafter/target preset (configs/)")
-    ap.add_argument("--target-steps", type=int, default=300)
-    ap.add_argument("--drafter-steps", type=int, default=400)
+    ap.add_argument("--target-steps", type=int, default=1500)
+    ap.add_argument("--drafter-steps", type=int, default=600)
     ap.add_argument("--records", type=int, default=1024, help="synthetic training conversations")
     ap.add_argument("--prompts", type=int, default=64, help="held-out prompts to write")
     ap.add_argument("--seed", type=int, default=0)
