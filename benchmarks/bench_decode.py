@@ -5,7 +5,8 @@ and temperatures, tau, and the time split of one round (propose, verify, host).
 
 Without an existing --pair directory, one is built first with `python -m train.tiny_pair`. For each
 (batch R, temperature) the same prompts are decoded by plain target decoding and by the drafter with
-fixed(γ) through engines with R slots; throughput is measured after warm-up. The round split times the
+fixed(γ) through engines with R slots, stopping at the tokenizer's stop ids; throughput is measured
+after compilation and one untimed pass. The round split times the
 compiled round, the drafter's proposal and the flat verification separately on a full batch;
 host+prefill is the wall time per round (prefill included) minus the compiled round's time.
 """
@@ -96,12 +97,15 @@ def main():
         kw = dict(slots=R, max_len=args.max_len, prefill_buckets=(32, args.max_len), max_prefill_batch=8)
         plain = Engine(tcfg, tparams, **kw)
         spec = Engine(tcfg, tparams, dcfg, dparams, scheduler=SchedulerConfig("fixed", 0), **kw)
-        plain.warmup()
-        spec.warmup()
         n = max(2 * R, 16)
+        for engine in (plain, spec):  # compile, then one untimed pass (first-call allocations)
+            engine.warmup()
+            engine.generate([Request(id=str(i), prompt_ids=prompts[i % len(prompts)].token_ids,
+                                     max_new_tokens=8) for i in range(n)])
         for T in [float(t) for t in args.temperatures.split(",")]:
             reqs = [Request(id=f"{i}", prompt_ids=prompts[i % len(prompts)].token_ids,
-                            max_new_tokens=args.max_new_tokens, temperature=T) for i in range(n)]
+                            max_new_tokens=args.max_new_tokens, temperature=T,
+                            stop_ids=tok.stop_token_ids) for i in range(n)]
             mp = plain.generate(reqs)
             ms = spec.generate(reqs)
             # Fill every slot for the split (prefill only: generate's requests have finished).
