@@ -266,8 +266,9 @@ def encode_chat_prompt(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any
 # JSONL records
 
 
-def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield ``(1-based line number, object)`` for each non-blank line of ``path``."""
+def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """Yield ``(1-based line number, parsed value)`` for each non-blank line of ``path``; a line
+    that is not UTF-8 JSON yields its DataError instead, so a caller may skip it and go on."""
     path = Path(path)
     try:
         handle = path.open("rb")
@@ -279,16 +280,24 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
                 # utf-8-sig drops a byte-order mark some editors put on line 1.
                 line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
             except UnicodeDecodeError as err:
-                raise DataError(f"{path}:{line_no}: not valid UTF-8 ({err})") from err
+                yield line_no, DataError(f"{path}:{line_no}: not valid UTF-8 ({err})")
+                continue
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                yield line_no, json.loads(line)
             except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{line_no}: invalid JSON ({err})") from err
-            if not isinstance(obj, dict):
-                raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(obj).__name__}")
-            yield line_no, obj
+                yield line_no, DataError(f"{path}:{line_no}: invalid JSON ({err})")
+
+
+def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield ``(1-based line number, object)`` for each non-blank line; the first bad line raises."""
+    for line_no, obj in iter_jsonl(path):
+        if isinstance(obj, DataError):
+            raise obj
+        if not isinstance(obj, dict):
+            raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(obj).__name__}")
+        yield line_no, obj
 
 
 @dataclass(frozen=True)

@@ -106,41 +106,32 @@ def load_models(args, mesh):
 def read_requests(args, tokenizer, engine):
     """(requests, prompt texts by id, errors): every line is handled on its own."""
     from dspark_jax.engine import Request
-    from dspark_jax.tokenizer import encode_prompt_record
+    from dspark_jax.tokenizer import encode_prompt_record, iter_jsonl
 
     requests, texts, errors, seen = [], {}, [], set()
     path = Path(args.prompts)
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, 1):
-            where = f"{path}:{line_no}"
+    for line_no, obj in iter_jsonl(path):
+        where = f"{path}:{line_no}"
+        try:
+            if isinstance(obj, DSparkError):
+                raise obj
+            rec = encode_prompt_record(tokenizer, obj, where=where, index=len(requests) + len(errors))
+            if rec.id in seen:
+                raise DSparkError(f"{where}: duplicate id {rec.id!r}")
+            req = Request(id=rec.id, prompt_ids=rec.token_ids, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          stop_ids=tuple(tokenizer.stop_token_ids))
             try:
-                try:
-                    line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
-                except UnicodeDecodeError as e:
-                    raise DSparkError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DSparkError(f"{where}: invalid JSON ({e})") from None
-                rec = encode_prompt_record(tokenizer, obj, where=where, index=len(requests) + len(errors))
-                if rec.id in seen:
-                    raise DSparkError(f"{where}: duplicate id {rec.id!r}")
-                req = Request(id=rec.id, prompt_ids=rec.token_ids, max_new_tokens=args.max_new_tokens,
-                              temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                              stop_ids=tuple(tokenizer.stop_token_ids))
-                try:
-                    engine.check_request(req)
-                except DSparkError as e:
-                    raise DSparkError(f"{where}: {e}") from None
+                engine.check_request(req)
             except DSparkError as e:
-                errors.append(str(e))
-                print(f"error: {e}", file=sys.stderr)
-                continue
-            seen.add(rec.id)
-            texts[rec.id] = rec.prompt_text
-            requests.append(req)
+                raise DSparkError(f"{where}: {e}") from None
+        except DSparkError as e:
+            errors.append(str(e))
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        seen.add(rec.id)
+        texts[rec.id] = rec.prompt_text
+        requests.append(req)
     return requests, texts, errors
 
 
