@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 import jax
 import ml_dtypes
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from dspark_jax.config import TargetConfig, from_dict
@@ -258,7 +259,7 @@ def load_target(directory: str | Path, mesh: Mesh | None = None, **overrides
 
 def _host_array(x: jax.Array) -> np.ndarray:
     if not x.is_fully_addressable:
-        x = jax.experimental.multihost_utils.process_allgather(x, tiled=True)
+        x = multihost_utils.process_allgather(x, tiled=True)
     return np.asarray(jax.device_get(x))
 
 
