@@ -14,21 +14,12 @@ host+prefill is the wall time per round (prefill included) minus the compiled ro
 import argparse
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
-
-def best_time(fn, repeats=20):
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
+from timing import median_time
 
 
 def round_split(engine):
@@ -44,13 +35,13 @@ def round_split(engine):
     verify = jax.jit(lambda st, tp: forward_flat(tp, engine.tcfg, st.target_cache, st.slots.anchor[rows],
                                                  rows, st.slots.length[rows] + j, np.ones(F, bool),
                                                  rows * W + j, W).logits)
-    t_verify = best_time(lambda: verify(engine.state, engine.tparams))
+    t_verify = median_time(lambda: verify(engine.state, engine.tparams), 20)
     t_propose = 0.0
     if engine.dcfg is not None:
         prop = jax.jit(lambda st, tp, dp: propose(dp, tp, engine.tcfg, engine.dcfg, st.draft_cache,
                                                   st.slots.anchor, st.slots.length, st.slots.temperature,
                                                   jax.random.key(0)).tokens)
-        t_propose = best_time(lambda: prop(engine.state, engine.tparams, engine.dparams))
+        t_propose = median_time(lambda: prop(engine.state, engine.tparams, engine.dparams), 20)
     compiled = engine._program("round", F)
     holder = {"state": engine.state}
 
@@ -58,7 +49,7 @@ def round_split(engine):
         holder["state"], out = compiled(holder["state"], engine.tparams, engine.dparams)
         return out.count
 
-    t_round = best_time(one_round)
+    t_round = median_time(one_round, 20)
     engine.state = holder["state"]
     return t_round, t_propose, t_verify
 

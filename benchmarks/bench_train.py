@@ -12,11 +12,12 @@ length) per second of a steady-state step. Peak memory is XLA's compiled estimat
 import argparse
 import resource
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from timing import median_time
 
 from dspark_jax.config import Config, DrafterConfig, LossConfig, MeshConfig, TargetConfig, TrainConfig
 from dspark_jax.data import sample_anchors
@@ -48,16 +49,6 @@ def make_batch(cfg: Config, rows: int, length: int, rng):
             "anchors": jnp.asarray(np.stack(anchors)), "anchor_keep": jnp.asarray(np.stack(keep))}
 
 
-def timed(fn, steps):
-    fn()  # compile / warm up
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
-
-
 def bench(name: str, steps: int, chunk: int):
     p = PRESETS[name]
     cfg = Config(target=TargetConfig(**p["target"]),
@@ -76,7 +67,7 @@ def bench(name: str, steps: int, chunk: int):
         holder["state"], metrics = step(holder["state"], target, batch)
         return metrics
 
-    t_step = timed(run_step, steps)
+    t_step = median_time(run_step, steps)
 
     @jax.jit
     def target_only(tp, batch):
@@ -87,7 +78,7 @@ def bench(name: str, steps: int, chunk: int):
         sel = jnp.take_along_axis(out.hidden, idx.reshape(B, -1)[..., None], 1)
         return out.taps.sum(), lm_head(tp, cfg.target, sel).sum()
 
-    t_target = timed(lambda: target_only(target, batch), steps)
+    t_target = median_time(lambda: target_only(target, batch), steps)
     tokens = p["batch"] * p["length"]
     est = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes) if mem else 0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
