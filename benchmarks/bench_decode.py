@@ -24,8 +24,8 @@ from timing import median_time
 
 def round_split(engine):
     """Seconds for (round, propose, verify) on the engine's current state (all slots active)."""
-    from dspark_jax.drafter import propose
-    from dspark_jax.target import forward_flat
+    from dspark_jax.models.drafter import propose
+    from dspark_jax.models.target import forward_flat
 
     s = engine.state.slots
     F = engine.verify_buckets[-1]
@@ -66,10 +66,10 @@ def main():
     if not (pair / "drafter" / "config.json").is_file():
         subprocess.run([sys.executable, "-m", "train.tiny_pair", "--out", str(pair)], check=True)
 
-    from dspark_jax import deepspec, hf_checkpoint
-    from dspark_jax.engine import Engine, Request
-    from dspark_jax.schedulers import SchedulerConfig
-    from dspark_jax.tokenizer import load_prompts, load_tokenizer
+    from dspark_jax.formats import deepspec, hf_checkpoint
+    from dspark_jax.decoding.engine import Engine, Request
+    from dspark_jax.decoding.schedulers import SchedulerConfig
+    from dspark_jax.formats.tokenizer import load_prompts, load_tokenizer
 
     import json
     dconf = json.loads((pair / "drafter/config.json").read_text())

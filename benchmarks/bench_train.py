@@ -20,10 +20,10 @@ import numpy as np
 from timing import median_time
 
 from dspark_jax.config import Config, DrafterConfig, LossConfig, MeshConfig, TargetConfig, TrainConfig
-from dspark_jax.data import sample_anchors
+from dspark_jax.training.data import sample_anchors
 from dspark_jax.params import count_params, init_params
-from dspark_jax.target import forward, lm_head, target_spec
-from dspark_jax.train_step import init_state, make_optimizer, make_train_step, state_shardings
+from dspark_jax.models.target import forward, lm_head, target_spec
+from dspark_jax.training.train_step import init_state, make_optimizer, make_train_step, state_shardings
 from dspark_jax.sharding import make_mesh
 
 PRESETS = {

@@ -78,7 +78,7 @@ def parse_args(argv):
 def load_models(args, mesh):
     """(tcfg, target params, dcfg | None, drafter params | None), placed on `mesh`; the drafter
     says which target layers it reads and its mask token."""
-    from dspark_jax import deepspec, hf_checkpoint
+    from dspark_jax.formats import deepspec, hf_checkpoint
 
     if args.drafter.lower() == "none":
         tcfg, tparams = hf_checkpoint.load_target(args.target, mesh=mesh)
@@ -105,8 +105,8 @@ def load_models(args, mesh):
 
 def read_requests(args, tokenizer, engine):
     """(requests, prompt texts by id, errors): every line is handled on its own."""
-    from dspark_jax.engine import Request
-    from dspark_jax.tokenizer import encode_prompt_record, iter_jsonl
+    from dspark_jax.decoding.engine import Request
+    from dspark_jax.formats.tokenizer import encode_prompt_record, iter_jsonl
 
     requests, texts, errors, seen = [], {}, [], set()
     path = Path(args.prompts)
@@ -156,10 +156,10 @@ class Progress:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from dspark_jax.config import MeshConfig
-    from dspark_jax.engine import Engine
-    from dspark_jax.schedulers import SchedulerConfig
+    from dspark_jax.decoding.engine import Engine
+    from dspark_jax.decoding.schedulers import SchedulerConfig
     from dspark_jax.sharding import make_mesh
-    from dspark_jax.tokenizer import load_tokenizer
+    from dspark_jax.formats.tokenizer import load_tokenizer
 
     try:
         if not Path(args.prompts).is_file():

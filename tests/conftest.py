@@ -66,7 +66,7 @@ def tiny_target(tmp_path_factory):
     import json
 
     from dspark_jax.config import load_config, preset_path
-    from dspark_jax.data import write_synthetic_conversations
+    from dspark_jax.training.data import write_synthetic_conversations
 
     root = tmp_path_factory.mktemp("tiny_target")
     data = write_synthetic_conversations(root / "train.jsonl", 96, seed=0)
@@ -81,7 +81,7 @@ def tiny_target(tmp_path_factory):
     cfg["rope_parameters"]["rope_theta"] = t.rope_theta
     cfg["max_position_embeddings"] = t.max_position_embeddings
     (target / "config.json").write_text(json.dumps(cfg))
-    from dspark_jax.tokenizer import train_bpe_tokenizer
+    from dspark_jax.formats.tokenizer import train_bpe_tokenizer
 
     train_bpe_tokenizer(texts, t.vocab_size, target)
     return fit_on_data(target, data, t, steps=150), data
@@ -89,10 +89,10 @@ def tiny_target(tmp_path_factory):
 
 def fit_on_data(target: Path, data: Path, t, steps: int) -> Path:
     """Trains the random target on the data (next-token CE) and saves it back in place."""
-    from dspark_jax import hf_checkpoint
-    from dspark_jax.data import BatchIterator, load_conversations
-    from dspark_jax.pretrain import fit_target
-    from dspark_jax.tokenizer import load_tokenizer
+    from dspark_jax.formats import hf_checkpoint
+    from dspark_jax.training.data import BatchIterator, load_conversations
+    from dspark_jax.training.pretrain import fit_target
+    from dspark_jax.formats.tokenizer import load_tokenizer
 
     cfg, params = hf_checkpoint.load_target(target, target_layer_ids=list(t.target_layer_ids),
                                             mask_token_id=t.mask_token_id)
@@ -107,7 +107,8 @@ def fit_on_data(target: Path, data: Path, t, steps: int) -> Path:
 def tiny_pair(tiny_target, tmp_path_factory):
     """(target dir, training workdir, exported DeepSpec drafter dir): a dspark-tiny drafter trained
     150 steps against `tiny_target`, shared by the engine and decode tests."""
-    from dspark_jax import deepspec, trainer
+    from dspark_jax.formats import deepspec
+    from dspark_jax.training import trainer
     from dspark_jax.config import load_config, preset_path
 
     target, data = tiny_target

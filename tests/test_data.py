@@ -1,4 +1,4 @@
-"""Tests for dspark_jax.data: dataset loading, anchor sampling, deterministic sharded batches."""
+"""Tests for dspark_jax.training.data: dataset loading, anchor sampling, deterministic sharded batches."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from dspark_jax.data import (
+from dspark_jax.training.data import (
     BatchIterator,
     Dataset,
     load_conversations,
@@ -20,7 +20,7 @@ from dspark_jax.data import (
     write_synthetic_conversations,
 )
 from dspark_jax.errors import ConfigError, DataError
-from dspark_jax.tokenizer import Tokenizer, encode_training_record, load_tokenizer, train_bpe_tokenizer
+from dspark_jax.formats.tokenizer import Tokenizer, encode_training_record, load_tokenizer, train_bpe_tokenizer
 
 BLOCK = 4
 

@@ -85,7 +85,7 @@ def pair(tiny_pair):
 
 @pytest.fixture(scope="module")
 def tok(pair):
-    from dspark_jax.tokenizer import load_tokenizer
+    from dspark_jax.formats.tokenizer import load_tokenizer
 
     return load_tokenizer(pair[0])
 

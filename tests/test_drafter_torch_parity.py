@@ -16,11 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_jax import deepspec, drafter, hf_checkpoint
+from dspark_jax.formats import deepspec, hf_checkpoint
+
+from dspark_jax.models import drafter
 from dspark_jax.config import DrafterConfig
 from dspark_jax.errors import CheckpointError
 from dspark_jax.params import init_params, is_info
-from dspark_jax.target import forward
+from dspark_jax.models.target import forward
 from tests.torch_ref import dspark_ref as ref
 
 ATOL = 1e-4

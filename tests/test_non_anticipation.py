@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from scipy import stats
 
-from dspark_jax.acceptance import accept
-from dspark_jax.schedulers import SchedulerConfig, schedule
+from dspark_jax.decoding.acceptance import accept
+from dspark_jax.decoding.schedulers import SchedulerConfig, schedule
 
 A, B = 0, 1
 P_T = np.array([0.7, 0.3])

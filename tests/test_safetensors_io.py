@@ -1,4 +1,4 @@
-"""Tests for dspark_jax.safetensors_io, with the `safetensors` package and torch as the oracle."""
+"""Tests for dspark_jax.formats.safetensors_io, with the `safetensors` package and torch as the oracle."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import safetensors.torch
 import torch
 
 from dspark_jax.errors import CheckpointError
-from dspark_jax.safetensors_io import (
+from dspark_jax.formats.safetensors_io import (
     CheckpointFiles,
     SafetensorsFile,
     TensorInfo,

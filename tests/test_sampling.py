@@ -3,8 +3,8 @@
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.sampling import target_probs
-from dspark_jax.schedulers import SchedulerConfig, schedule, survival
+from dspark_jax.decoding.sampling import target_probs
+from dspark_jax.decoding.schedulers import SchedulerConfig, schedule, survival
 
 P = np.array([0.5, 0.3, 0.15, 0.05])
 

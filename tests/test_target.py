@@ -7,8 +7,8 @@ import pytest
 import torch
 import transformers
 
-from dspark_jax import hf_checkpoint
-from dspark_jax.target import KVCache, forward
+from dspark_jax.formats import hf_checkpoint
+from dspark_jax.models.target import KVCache, forward
 
 # (name, checkpoint kwargs): GQA ratios 1, 2, 4; tied and untied; head_dim != hidden / heads.
 CASES = [

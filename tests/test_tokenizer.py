@@ -1,4 +1,4 @@
-"""Tests for dspark_jax.tokenizer: loading, stop ids, ChatML rendering, loss masks and record readers."""
+"""Tests for dspark_jax.formats.tokenizer: loading, stop ids, ChatML rendering, loss masks and record readers."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
 from dspark_jax.errors import CheckpointError, DataError
-from dspark_jax.tokenizer import (
+from dspark_jax.formats.tokenizer import (
     train_bpe_tokenizer,
     PromptRecord,
     Tokenizer,

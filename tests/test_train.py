@@ -13,7 +13,9 @@ import jax
 import numpy as np
 import pytest
 
-from dspark_jax import deepspec, trainer
+from dspark_jax.formats import deepspec
+
+from dspark_jax.training import trainer
 from dspark_jax.config import load_config, preset_path
 from dspark_jax.errors import ConfigError, DataError
 

@@ -42,7 +42,9 @@ def main(argv=None) -> int:
     import jax
     from tensorboardX import SummaryWriter
 
-    from dspark_jax import distributed, trainer
+    from dspark_jax import distributed
+
+    from dspark_jax.training import trainer
 
     if args.distributed or args.coordinator:
         # Before anything touches a device; and before our signal handlers, which must win.

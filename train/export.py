@@ -3,7 +3,7 @@
     python -m train.export --checkpoint runs/dspark-8b [--step N] --out exported/dspark-8b [--dtype bfloat16]
 
 The output directory (config.json + model.safetensors, the target's embedding and lm_head copied in)
-loads in DeepSpec-format torch stacks and back here with `dspark_jax.deepspec.load_drafter`.
+loads in DeepSpec-format torch stacks and back here with `dspark_jax.formats.deepspec.load_drafter`.
 """
 
 import argparse
@@ -24,7 +24,9 @@ def main(argv=None) -> int:
                          "(default: the run's train.target_dir)")
     args = ap.parse_args(argv)
 
-    from dspark_jax import deepspec, trainer
+    from dspark_jax.formats import deepspec
+
+    from dspark_jax.training import trainer
 
     try:
         cfg, params, step = trainer.load_drafter_params(args.checkpoint, args.step)

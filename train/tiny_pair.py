@@ -31,10 +31,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    from dspark_jax import deepspec, trainer
+    from dspark_jax.formats import deepspec
+
+    from dspark_jax.training import trainer
     from dspark_jax.config import load_config, preset_path
-    from dspark_jax.data import write_synthetic_conversations
-    from dspark_jax.pretrain import make_tiny_target
+    from dspark_jax.training.data import write_synthetic_conversations
+    from dspark_jax.training.pretrain import make_tiny_target
 
     out = Path(args.out)
     try:

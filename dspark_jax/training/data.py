@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dspark_jax.errors import ConfigError, DataError
-from dspark_jax.tokenizer import END_OF_TEXT, Tokenizer, encode_training_record, read_jsonl
+from dspark_jax.formats.tokenizer import END_OF_TEXT, Tokenizer, encode_training_record, read_jsonl
 
 _ANCHOR_STREAM = 1  # last SeedSequence word of the anchor streams (see module docstring)
 _STATE_KEYS = ("epoch", "position", "seed", "num_records", "lengths_sha256")

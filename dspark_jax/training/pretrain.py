@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from dspark_jax.config import TargetConfig
-from dspark_jax.target import forward
+from dspark_jax.models.target import forward
 
 
 def fit_target(params, cfg: TargetConfig, batches: Iterator[dict], steps: int,
@@ -58,11 +58,11 @@ def make_tiny_target(out_dir, data_file, cfg: TargetConfig, *, steps: int = 150,
     import json
     from pathlib import Path
 
-    from dspark_jax import hf_checkpoint
-    from dspark_jax.data import BatchIterator, load_conversations
+    from dspark_jax.formats import hf_checkpoint
+    from dspark_jax.training.data import BatchIterator, load_conversations
     from dspark_jax.params import init_params
-    from dspark_jax.target import target_spec
-    from dspark_jax.tokenizer import load_tokenizer, train_bpe_tokenizer
+    from dspark_jax.models.target import target_spec
+    from dspark_jax.formats.tokenizer import load_tokenizer, train_bpe_tokenizer
 
     out = Path(out_dir)
     texts = [m.get("content", "") for line in Path(data_file).read_text().splitlines() if line.strip()

@@ -25,14 +25,14 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dspark_jax.acceptance import accept
+from dspark_jax.decoding.acceptance import accept
 from dspark_jax.config import DrafterConfig, TargetConfig
-from dspark_jax.drafter import DraftCache, extend_context, propose
+from dspark_jax.models.drafter import DraftCache, extend_context, propose
 from dspark_jax.errors import DSparkError
-from dspark_jax.sampling import sample, target_probs
-from dspark_jax.schedulers import SchedulerConfig, schedule
+from dspark_jax.decoding.sampling import sample, target_probs
+from dspark_jax.decoding.schedulers import SchedulerConfig, schedule
 from dspark_jax.sharding import logical_to_spec
-from dspark_jax.target import KVCache, forward, forward_flat
+from dspark_jax.models.target import KVCache, forward, forward_flat
 
 RUNNING, STOP, LENGTH, CONTEXT = 0, 1, 2, 3
 FINISH_REASONS = {STOP: "stop", LENGTH: "length", CONTEXT: "context"}

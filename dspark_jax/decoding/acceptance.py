@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dspark_jax.sampling import sample
+from dspark_jax.decoding.sampling import sample
 
 
 @struct.dataclass

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dspark_jax.config import TargetConfig
-from dspark_jax.layers import attention, project_qkv, rms_norm, rope, swiglu
+from dspark_jax.models.layers import attention, project_qkv, rms_norm, rope, swiglu
 from dspark_jax.params import ArrayInfo
 
 
