@@ -18,7 +18,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-
 from timing import median_time
 
 
@@ -66,12 +65,12 @@ def main():
     if not (pair / "drafter" / "config.json").is_file():
         subprocess.run([sys.executable, "-m", "train.tiny_pair", "--out", str(pair)], check=True)
 
-    from dspark_jax.formats import deepspec, hf_checkpoint
+    import json
+
     from dspark_jax.decoding.engine import Engine, Request
     from dspark_jax.decoding.schedulers import SchedulerConfig
+    from dspark_jax.formats import deepspec, hf_checkpoint
     from dspark_jax.formats.tokenizer import load_prompts, load_tokenizer
-
-    import json
     dconf = json.loads((pair / "drafter/config.json").read_text())
     tcfg, tparams = hf_checkpoint.load_target(pair / "target", target_layer_ids=dconf["target_layer_ids"],
                                               mask_token_id=dconf["mask_token_id"])

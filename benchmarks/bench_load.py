@@ -25,12 +25,12 @@ def main():
     import jax
     import numpy as np
 
-    from dspark_jax.formats import hf_checkpoint
     from dspark_jax.config import MeshConfig, TargetConfig
-    from dspark_jax.params import count_params, init_params
+    from dspark_jax.formats import hf_checkpoint
     from dspark_jax.formats.safetensors_io import CheckpointFiles
-    from dspark_jax.sharding import make_mesh
     from dspark_jax.models.target import target_spec
+    from dspark_jax.params import count_params, init_params
+    from dspark_jax.sharding import make_mesh
 
     cfg = TargetConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                        num_attention_heads=12, num_key_value_heads=4, head_dim=64, dtype=args.dtype,

@@ -16,15 +16,14 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from timing import median_time
 
 from dspark_jax.config import Config, DrafterConfig, LossConfig, MeshConfig, TargetConfig, TrainConfig
-from dspark_jax.training.data import sample_anchors
-from dspark_jax.params import count_params, init_params
 from dspark_jax.models.target import forward, lm_head, target_spec
-from dspark_jax.training.train_step import init_state, make_optimizer, make_train_step, state_shardings
+from dspark_jax.params import count_params, init_params
 from dspark_jax.sharding import make_mesh
+from dspark_jax.training.data import sample_anchors
+from dspark_jax.training.train_step import init_state, make_optimizer, make_train_step, state_shardings
 
 PRESETS = {
     "tiny": dict(target=dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4,

@@ -158,8 +158,8 @@ def main(argv=None) -> int:
     from dspark_jax.config import MeshConfig
     from dspark_jax.decoding.engine import Engine
     from dspark_jax.decoding.schedulers import SchedulerConfig
-    from dspark_jax.sharding import make_mesh
     from dspark_jax.formats.tokenizer import load_tokenizer
+    from dspark_jax.sharding import make_mesh
 
     try:
         if not Path(args.prompts).is_file():

@@ -90,9 +90,9 @@ def tiny_target(tmp_path_factory):
 def fit_on_data(target: Path, data: Path, t, steps: int) -> Path:
     """Trains the random target on the data (next-token CE) and saves it back in place."""
     from dspark_jax.formats import hf_checkpoint
+    from dspark_jax.formats.tokenizer import load_tokenizer
     from dspark_jax.training.data import BatchIterator, load_conversations
     from dspark_jax.training.pretrain import fit_target
-    from dspark_jax.formats.tokenizer import load_tokenizer
 
     cfg, params = hf_checkpoint.load_target(target, target_layer_ids=list(t.target_layer_ids),
                                             mask_token_id=t.mask_token_id)
@@ -107,9 +107,9 @@ def fit_on_data(target: Path, data: Path, t, steps: int) -> Path:
 def tiny_pair(tiny_target, tmp_path_factory):
     """(target dir, training workdir, exported DeepSpec drafter dir): a dspark-tiny drafter trained
     150 steps against `tiny_target`, shared by the engine and decode tests."""
+    from dspark_jax.config import load_config, preset_path
     from dspark_jax.formats import deepspec
     from dspark_jax.training import trainer
-    from dspark_jax.config import load_config, preset_path
 
     target, data = tiny_target
     root = tmp_path_factory.mktemp("tiny_pair")

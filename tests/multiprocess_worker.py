@@ -44,8 +44,8 @@ def main(argv=None) -> int:
         distributed.initialize(f"127.0.0.1:{args.port}", args.num_processes, args.process_id,
                                timeout_s=args.init_timeout)
 
-    from dspark_jax.training import trainer
     from dspark_jax.config import load_config, preset_path
+    from dspark_jax.training import trainer
 
     tag = f"[p{jax.process_index()}/{jax.process_count()}]"
     logs: list[str] = []

@@ -11,6 +11,13 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+from dspark_jax.errors import ConfigError, DataError
+from dspark_jax.formats.tokenizer import (
+    Tokenizer,
+    encode_training_record,
+    load_tokenizer,
+    train_bpe_tokenizer,
+)
 from dspark_jax.training.data import (
     BatchIterator,
     Dataset,
@@ -19,8 +26,6 @@ from dspark_jax.training.data import (
     sample_anchors,
     write_synthetic_conversations,
 )
-from dspark_jax.errors import ConfigError, DataError
-from dspark_jax.formats.tokenizer import Tokenizer, encode_training_record, load_tokenizer, train_bpe_tokenizer
 
 BLOCK = 4
 

@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.conftest import GOLDEN
 from dspark_jax.formats import deepspec, hf_checkpoint
 from dspark_jax.models import drafter
-from dspark_jax.training.losses import loss_terms
 from dspark_jax.models.target import KVCache, forward, lm_head
+from dspark_jax.training.losses import loss_terms
+from tests.conftest import GOLDEN
 
 if not (GOLDEN / "golden.json").is_file():
     pytest.skip(f"golden tensors not found at {GOLDEN}", allow_module_level=True)

@@ -16,13 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_jax.formats import deepspec, hf_checkpoint
-
-from dspark_jax.models import drafter
 from dspark_jax.config import DrafterConfig
 from dspark_jax.errors import CheckpointError
-from dspark_jax.params import init_params, is_info
+from dspark_jax.formats import deepspec, hf_checkpoint
+from dspark_jax.models import drafter
 from dspark_jax.models.target import forward
+from dspark_jax.params import init_params, is_info
 from tests.torch_ref import dspark_ref as ref
 
 ATOL = 1e-4

@@ -6,15 +6,14 @@ import jax
 import numpy as np
 import pytest
 
-from dspark_jax.formats import hf_checkpoint
-
-from dspark_jax.training import trainer
-from dspark_jax.models.drafter import drafter_spec
 from dspark_jax.decoding.engine import Engine, RecompileError, Request
-from dspark_jax.errors import DSparkError
-from dspark_jax.params import init_params
 from dspark_jax.decoding.schedulers import SchedulerConfig
+from dspark_jax.errors import DSparkError
+from dspark_jax.formats import hf_checkpoint
 from dspark_jax.formats.tokenizer import encode_chat_prompt, load_tokenizer
+from dspark_jax.models.drafter import drafter_spec
+from dspark_jax.params import init_params
+from dspark_jax.training import trainer
 
 S = 96
 SMALL = dict(max_len=S, prefill_buckets=(32, S), max_prefill_batch=2)
@@ -184,9 +183,9 @@ def test_sharded_engine_matches_single_device(pair, requests, plain_results):
     """Requests over data, KV heads and weights over tensor (2 x 2 of the 8 fake devices)."""
     from dspark_jax.config import MeshConfig
     from dspark_jax.models.drafter import drafter_spec
+    from dspark_jax.models.target import target_spec
     from dspark_jax.params import shardings
     from dspark_jax.sharding import make_mesh
-    from dspark_jax.models.target import target_spec
 
     tcfg, tparams, dcfg, dparams = pair[:4]
     mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=2))

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from dspark_jax.formats import hf_checkpoint
 from dspark_jax.errors import CheckpointError
+from dspark_jax.formats import hf_checkpoint
 
 TINY = dict(seed=5, layers=3, heads=4, kv_heads=2, head_dim=8)
 

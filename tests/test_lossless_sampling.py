@@ -30,14 +30,14 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from dspark_jax.decoding.acceptance import Acceptance, accept
 from dspark_jax.config import DrafterConfig, TargetConfig
-from dspark_jax.models.drafter import drafter_spec
+from dspark_jax.decoding.acceptance import Acceptance, accept
 from dspark_jax.decoding.engine import Engine, Request
-from dspark_jax.params import init_params
 from dspark_jax.decoding.sampling import sample
 from dspark_jax.decoding.schedulers import SchedulerConfig
+from dspark_jax.models.drafter import drafter_spec
 from dspark_jax.models.target import forward, target_spec
+from dspark_jax.params import init_params
 
 PASS_P = 1e-3  # a correct implementation must give p > PASS_P
 FAIL_P = 1e-6  # a broken rule must give p < FAIL_P

@@ -4,14 +4,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from dspark_jax.formats import hf_checkpoint
 from dspark_jax.config import MeshConfig
 from dspark_jax.errors import ConfigError
+from dspark_jax.formats import hf_checkpoint
+from dspark_jax.models.target import KVCache, forward, target_spec
 from dspark_jax.params import init_params
 from dspark_jax.sharding import logical_to_spec, make_mesh, named_sharding
-from dspark_jax.models.target import KVCache, forward, target_spec
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
 

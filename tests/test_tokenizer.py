@@ -12,7 +12,6 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from dspark_jax.errors import CheckpointError, DataError
 from dspark_jax.formats.tokenizer import (
-    train_bpe_tokenizer,
     PromptRecord,
     Tokenizer,
     encode_chat_prompt,
@@ -23,6 +22,7 @@ from dspark_jax.formats.tokenizer import (
     load_tokenizer,
     read_jsonl,
     render_chat,
+    train_bpe_tokenizer,
 )
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]

@@ -13,11 +13,10 @@ import jax
 import numpy as np
 import pytest
 
-from dspark_jax.formats import deepspec
-
-from dspark_jax.training import trainer
 from dspark_jax.config import load_config, preset_path
 from dspark_jax.errors import ConfigError, DataError
+from dspark_jax.formats import deepspec
+from dspark_jax.training import trainer
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from dspark_jax.config import MeshConfig, load_config, preset_path
-from dspark_jax.training.data import make_global_batch, sample_anchors
+from dspark_jax.models.target import target_spec
 from dspark_jax.params import init_params
 from dspark_jax.sharding import make_mesh
-from dspark_jax.models.target import target_spec
+from dspark_jax.training.data import make_global_batch, sample_anchors
 from dspark_jax.training.train_step import init_state, make_optimizer, make_train_step, state_shardings
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")

@@ -43,7 +43,6 @@ def main(argv=None) -> int:
     from tensorboardX import SummaryWriter
 
     from dspark_jax import distributed
-
     from dspark_jax.training import trainer
 
     if args.distributed or args.coordinator:

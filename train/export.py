@@ -25,7 +25,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from dspark_jax.formats import deepspec
-
     from dspark_jax.training import trainer
 
     try:

@@ -31,10 +31,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    from dspark_jax.formats import deepspec
-
-    from dspark_jax.training import trainer
     from dspark_jax.config import load_config, preset_path
+    from dspark_jax.formats import deepspec
+    from dspark_jax.training import trainer
     from dspark_jax.training.data import write_synthetic_conversations
     from dspark_jax.training.pretrain import make_tiny_target
 

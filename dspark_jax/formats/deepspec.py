@@ -17,12 +17,21 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dspark_jax.config import DrafterConfig, TargetConfig, from_dict
-from dspark_jax.models.drafter import drafter_spec, layer_config
 from dspark_jax.errors import CheckpointError, ConfigError
-from dspark_jax.formats.hf_checkpoint import (TensorMap, _identity, _transpose, check_tensors, config_to_hf,
-                                      iter_torch_tensors, layer_key_map, load_tensors, read_json,
-                                      torch_dtype)
+from dspark_jax.formats.hf_checkpoint import (
+    TensorMap,
+    _identity,
+    _transpose,
+    check_tensors,
+    config_to_hf,
+    iter_torch_tensors,
+    layer_key_map,
+    load_tensors,
+    read_json,
+    torch_dtype,
+)
 from dspark_jax.formats.safetensors_io import CheckpointFiles, save_dir
+from dspark_jax.models.drafter import drafter_spec, layer_config
 
 SHARED_KEYS = ("embed_tokens.weight", "lm_head.weight")
 

@@ -22,9 +22,9 @@ from jax.sharding import Mesh
 
 from dspark_jax.config import TargetConfig, from_dict
 from dspark_jax.errors import CheckpointError, ConfigError
-from dspark_jax.params import ArrayInfo, path_name, shardings
 from dspark_jax.formats.safetensors_io import CheckpointFiles, save_dir
 from dspark_jax.models.target import target_spec
+from dspark_jax.params import ArrayInfo, path_name, shardings
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "vocab.json", "merges.txt")

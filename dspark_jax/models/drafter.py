@@ -22,8 +22,8 @@ from flax import struct
 
 from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.models.layers import NEG_INF, project_qkv, rms_norm, rope, swiglu
-from dspark_jax.params import ArrayInfo
 from dspark_jax.models.target import lm_head, target_spec
+from dspark_jax.params import ArrayInfo
 
 
 def layer_config(tcfg: TargetConfig, dcfg: DrafterConfig) -> TargetConfig:

@@ -1,7 +1,7 @@
 """Training data: tokenized conversations, anchor sampling and deterministic sharded batches.
 
 Host-side numpy, deterministic from a seed. A :class:`Dataset` holds every usable conversation of a
-JSONL file as token ids and a loss mask (True on assistant content, see ``tokenizer.py``), capped at
+JSONL file as token ids and a loss mask (True on assistant content, see ``formats/tokenizer.py``), capped at
 ``max_length`` tokens. A :class:`BatchIterator` walks seeded permutations of it, one per epoch, and
 yields this process's rows of each global batch with fixed shapes; anchors (block start positions,
 DESIGN.md §3 "Training data layout") are sampled per row. :func:`make_global_batch` turns a process's

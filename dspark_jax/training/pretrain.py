@@ -59,10 +59,10 @@ def make_tiny_target(out_dir, data_file, cfg: TargetConfig, *, steps: int = 150,
     from pathlib import Path
 
     from dspark_jax.formats import hf_checkpoint
-    from dspark_jax.training.data import BatchIterator, load_conversations
-    from dspark_jax.params import init_params
-    from dspark_jax.models.target import target_spec
     from dspark_jax.formats.tokenizer import load_tokenizer, train_bpe_tokenizer
+    from dspark_jax.models.target import target_spec
+    from dspark_jax.params import init_params
+    from dspark_jax.training.data import BatchIterator, load_conversations
 
     out = Path(out_dir)
     texts = [m.get("content", "") for line in Path(data_file).read_text().splitlines() if line.strip()

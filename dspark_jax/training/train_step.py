@@ -18,9 +18,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dspark_jax.config import Config
 from dspark_jax.models.drafter import drafter_spec, train_forward
-from dspark_jax.training.losses import drafter_loss
-from dspark_jax.params import init_params, map_infos, shardings
 from dspark_jax.models.target import forward, lm_head
+from dspark_jax.params import init_params, map_infos, shardings
+from dspark_jax.training.losses import drafter_loss
 
 BATCH_AXES = ("data", "fsdp")
 

@@ -18,18 +18,24 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from dspark_jax.formats import hf_checkpoint
 from dspark_jax.config import Config, from_dict, to_dict
-from dspark_jax.training.data import BatchIterator, load_conversations, make_global_batch
 from dspark_jax.distributed import any_process
-from dspark_jax.models.drafter import drafter_spec
 from dspark_jax.errors import CheckpointError, ConfigError, DSparkError
+from dspark_jax.formats import hf_checkpoint
+from dspark_jax.formats.tokenizer import load_tokenizer
+from dspark_jax.models.drafter import drafter_spec
+from dspark_jax.models.target import target_spec
 from dspark_jax.params import abstract, count_params, init_params
 from dspark_jax.sharding import describe_mesh, make_mesh
-from dspark_jax.models.target import target_spec
-from dspark_jax.formats.tokenizer import load_tokenizer
-from dspark_jax.training.train_step import (TrainState, describe_params, init_state, make_optimizer,
-                                   make_train_step, state_shardings)
+from dspark_jax.training.data import BatchIterator, load_conversations, make_global_batch
+from dspark_jax.training.train_step import (
+    TrainState,
+    describe_params,
+    init_state,
+    make_optimizer,
+    make_train_step,
+    state_shardings,
+)
 
 # Config sections that must not change between a checkpoint and its resume, and the keys in them
 # that only choose how to compute (free to change).

@@ -28,7 +28,6 @@ from safetensors.torch import load_file
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, rotate_half
 
-
 # --------------------------------------------------------------------------------------------------
 # building blocks
 

@@ -1,0 +1,65 @@
+"""The engine's run metrics: a per-round tally on the host and the summary dictionary.
+
+τ counts the tokens a round commits (accepted drafts + the bonus) before stop and budget cuts;
+`conditional_acceptance[j]` is the share of the rounds that verified draft j+1 in which it was
+accepted.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+
+class Tally:
+    """Accumulates what the host reads back, round by round."""
+
+    def __init__(self, gamma: int):
+        self.gamma = gamma
+        self.rounds = 0
+        self.out_tokens = 0
+        self.tau: list[int] = []
+        self.verified: list[int] = []
+        self.accepted: list[int] = []
+        self.rates: list[float] = []  # per finished request: tokens after the first / seconds
+        self.pos_verified = np.zeros(max(gamma, 1), np.int64)
+        self.pos_accepted = np.zeros(max(gamma, 1), np.int64)
+        self.t_start = time.perf_counter()
+
+    def prefill_token(self) -> None:
+        self.out_tokens += 1
+
+    def round(self, any_active: bool) -> None:
+        self.rounds += int(any_active)
+
+    def slot(self, committed: int, verified: int, accepted: int) -> None:
+        """One active slot's round: `committed` tokens kept, ℓ verified, k accepted."""
+        self.out_tokens += committed
+        self.tau.append(accepted + 1)
+        self.verified.append(verified)
+        self.accepted.append(accepted)
+        self.pos_verified[:verified] += 1
+        self.pos_accepted[:min(accepted, verified)] += 1
+
+    def finished(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens > 1 and seconds > 0:
+            self.rates.append((num_tokens - 1) / seconds)
+
+    def summary(self) -> dict:
+        elapsed = time.perf_counter() - self.t_start
+        verified = np.asarray(self.verified, float)
+        accepted = np.asarray(self.accepted, float)
+        return {
+            "tau": float(np.mean(self.tau)) if self.tau else 0.0,
+            "acceptance_rate": float(accepted.sum() / verified.sum()) if verified.sum() else 0.0,
+            "conditional_acceptance": [float(a / v) if v else 0.0 for a, v in
+                                       zip(self.pos_accepted, self.pos_verified)][:self.gamma],
+            "mean_verified": float(verified.mean()) if len(verified) else 0.0,
+            "output_tokens": self.out_tokens,
+            "output_tokens_per_s": self.out_tokens / elapsed if elapsed else 0.0,
+            # Decoding speed one user sees: tokens after the first over the time since admission.
+            "tokens_per_s_per_request": float(np.mean(self.rates)) if self.rates else 0.0,
+            "elapsed_s": elapsed,
+            "rounds": self.rounds,
+        }
