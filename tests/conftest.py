@@ -11,6 +11,9 @@ import tempfile  # noqa: E402
 
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="dspark-jax-cache-"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+# SPS profiles that engines measure at start-up are cached under the user's cache directory: keep
+# the tests' own (shared with their subprocesses) out of the real one.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="dspark-jax-xdg-")
 
 from pathlib import Path
 

@@ -30,9 +30,10 @@ KEYS = {"id", "prompt", "completion", "token_ids", "finish_reason", "accepted", 
 METRIC_KEYS = {"tau", "acceptance_rate", "conditional_acceptance", "mean_verified",
                "output_tokens_per_s", "tokens_per_s_per_request", "rounds", "compilations",
                "compilations_after_warmup"}
-SUMMARY_ROWS = ("requests", "bad records", "rounds", "tau (tokens / round)", "acceptance rate",
-                "conditional acceptance", "mean verified drafts / round", "output tokens",
-                "output tokens / s", "tokens / s per request", "warm-up (compile) s", "compilations",
+SUMMARY_ROWS = ("requests", "bad records", "scheduler", "rounds", "tau (tokens / round)",
+                "acceptance rate", "conditional acceptance", "mean verified drafts / round",
+                "mean budget / request", "output tokens", "output tokens / s",
+                "tokens / s per request", "warm-up (compile) s", "compilations",
                 "compilations after warm-up")
 WORDS = "apple silver cat dog red blue".split()
 
@@ -124,9 +125,10 @@ def runs(pair, prompts, tmp_path_factory):
     """Decodes the prompt file once per mode, on demand: mode -> (process, results by id, metrics)."""
     target, drafter = pair
     out_dir = tmp_path_factory.mktemp("decodes")
-    modes = {"fixed": [drafter],
+    modes = {"fixed": [drafter, "--scheduler", "fixed"],
              "none": ["none"],
-             "threshold": [drafter, "--scheduler", "threshold", "--threshold", "0.3"]}
+             "threshold": [drafter, "--scheduler", "threshold", "--threshold", "0.3"],
+             "async": [drafter]}  # the default scheduler: profiles the rounds at start-up
     done = {}
 
     def get(mode):
@@ -218,15 +220,21 @@ def test_greedy_output_is_the_targets_whatever_the_drafter(runs, prompts, tok):
     _, fixed, _ = runs("fixed")
     plain_proc, plain, plain_metrics = runs("none")
     thr_proc, thr, thr_metrics = runs("threshold")
+    async_proc, asy, async_metrics = runs("async")
     _, expected = prompts
     assert "plain target decoding" in plain_proc.stderr
     assert "threshold(0.3)" in thr_proc.stderr
+    assert f"block {BLOCK}, async, " in async_proc.stderr
+    assert "SPS profile: measured at start-up, cached in" in async_proc.stderr
     for rid in expected:
-        assert fixed[rid]["token_ids"] == plain[rid]["token_ids"], rid
-        assert thr[rid]["token_ids"] == plain[rid]["token_ids"], rid
-        assert fixed[rid]["finish_reason"] == plain[rid]["finish_reason"] == thr[rid]["finish_reason"]
-    check_results(thr, expected, tok, BLOCK)
-    check_metrics(thr_metrics, thr, BLOCK)
+        for other in (fixed, thr, asy):
+            assert other[rid]["token_ids"] == plain[rid]["token_ids"], rid
+            assert other[rid]["finish_reason"] == plain[rid]["finish_reason"], rid
+    for results, metrics in ((thr, thr_metrics), (asy, async_metrics)):
+        check_results(results, expected, tok, BLOCK)
+        check_metrics(metrics, results, BLOCK)
+    assert async_metrics["scheduler"] == "async" and async_metrics["sps_profile"]
+    assert sum(async_metrics["buckets"].values()) == async_metrics["rounds"]
     # Without a drafter every round verifies nothing and commits exactly the target's token.
     check_results(plain, expected, tok, 0)
     for r in plain.values():

@@ -85,7 +85,7 @@ def test_greedy_proposal(case, target):
     cache = drafter.DraftCache.create(tcfg, dcfg, 1, 32)
     cache = drafter.extend_context(dp, tcfg, dcfg, cache, out.taps, pos, jnp.ones_like(prompt, bool))
     prop = drafter.propose(dp, tp, tcfg, dcfg, cache, anchor, jnp.asarray([n]), jnp.zeros((1,)),
-                           jax.random.key(0))
+                           jax.random.split(jax.random.key(0), 1))
     np.testing.assert_allclose(prop.hidden, g["infer_block_hidden"], atol=1e-4, rtol=0)
     np.testing.assert_allclose(prop.base_logits, g["infer_base_logits"], atol=1e-4, rtol=0)
     np.testing.assert_array_equal(prop.tokens, g["infer_draft_tokens"])

@@ -63,13 +63,33 @@ def plain_results(plain, requests):
     return run(plain, requests)[0]
 
 
-SCHEDULERS = [SchedulerConfig("fixed", 0), SchedulerConfig("fixed", 2), SchedulerConfig("threshold", 0, 0.2)]
+SCHEDULERS = [SchedulerConfig("fixed", 0), SchedulerConfig("fixed", 2), SchedulerConfig("threshold", 0, 0.2),
+              SchedulerConfig("greedy"), SchedulerConfig("greedy", bucket_fill=True), SchedulerConfig("async")]
 
 
-@pytest.fixture(scope="module", params=SCHEDULERS, ids=lambda s: f"{s.kind}{s.verify_len or s.threshold}")
+def scheduler_id(s):
+    return {"fixed": f"fixed{s.verify_len}", "threshold": f"threshold{s.threshold}"}.get(
+        s.kind, s.kind + ("-fill" if s.bucket_fill else ""))
+
+
+def cheap_spec_profile(engine):
+    """A real profile object with made-up times under which verifying drafts usually pays: rounds
+    with a proposal cost 1.2 + F/40 (so the bucket chosen depends on the survival estimates),
+    rounds without one 1.0. Measured profiles would make the buckets machine-dependent."""
+    from dspark_jax.decoding import profile
+
+    return profile.SpsProfile(measured_on=profile.engine_key(engine),
+                              spec={F: 1.2 + F / 40 for F in engine.spec_buckets},
+                              plain={F: 1.0 for F in engine.plain_buckets})
+
+
+@pytest.fixture(scope="module", params=SCHEDULERS, ids=scheduler_id)
 def spec(request, pair):
     tcfg, tparams, dcfg, dparams = pair[:4]
-    return Engine(tcfg, tparams, dcfg, dparams, slots=4, scheduler=request.param, **SMALL)
+    engine = Engine(tcfg, tparams, dcfg, dparams, slots=4, scheduler=request.param, **SMALL)
+    if request.param.load_aware:
+        engine.use_profile(cheap_spec_profile(engine), "test")
+    return engine
 
 
 def assert_same(got, want):
@@ -84,7 +104,8 @@ def test_greedy_equals_plain(spec, pair, requests, plain_results):
     results, metrics = run(spec, requests)
     assert_same(results, plain_results)
     assert metrics["compilations_after_warmup"] == 0
-    assert metrics["mean_verified"] > (1.0 if spec.scheduler.kind == "fixed" else 0.2)
+    assert metrics["mean_verified"] > {"fixed": 1.0, "threshold": 0.2}.get(spec.scheduler.kind, 0.0)
+    assert sum(metrics["buckets"].values()) == metrics["rounds"]
     for r in results.values():
         assert sum(r.accepted) == len(r.token_ids) - 1  # the first token comes from prefill
         assert all(v <= spec.max_verify for v in r.verified)
@@ -96,7 +117,7 @@ def test_greedy_equals_plain(spec, pair, requests, plain_results):
     finally:
         spec.dparams = trained
     assert_same(random_results, plain_results)
-    assert random_metrics["tau"] < metrics["tau"] or spec.scheduler.kind == "threshold"
+    assert random_metrics["tau"] < metrics["tau"] or spec.scheduler.kind != "fixed"
 
 
 def test_batch_size_one(pair, requests, plain_results):
@@ -165,7 +186,7 @@ def test_two_hundred_requests_compile_nothing_after_warmup(pair):
     assert len(results) == 200 and metrics["compilations_after_warmup"] == 0
     assert metrics["compilations"] == len(engine._compiled)
     # The guard turns a compilation after warm-up into an error.
-    engine._compiled.pop(("round", engine.verify_buckets[0]))
+    engine._compiled.pop(("scheduled", engine.verify_buckets[0]))
     with pytest.raises(RecompileError, match="recompile guard on"):
         run(engine, reqs[:1])
 

@@ -31,7 +31,7 @@ import pytest
 from scipy import stats
 
 from dspark_jax.config import DrafterConfig, TargetConfig
-from dspark_jax.decoding.acceptance import Acceptance, accept
+from dspark_jax.decoding.acceptance import Acceptance, accept, split_rows
 from dspark_jax.decoding.engine import Engine, Request
 from dspark_jax.decoding.sampling import sample
 from dspark_jax.decoding.schedulers import SchedulerConfig
@@ -108,7 +108,7 @@ def _run_rule(rule, key, p, q, ell, R):
     k_draft, k_acc = jax.random.split(key)
     logq = jnp.where(q > 0, jnp.log(jnp.where(q > 0, q, 1.0)), -jnp.inf)
     drafts = jax.random.categorical(k_draft, logq, axis=-1, shape=(R, q.shape[0])).astype(jnp.int32)
-    out = rule(k_acc, drafts, jnp.broadcast_to(q, (R,) + q.shape),
+    out = rule(jax.random.split(k_acc, R), drafts, jnp.broadcast_to(q, (R,) + q.shape),
                jnp.broadcast_to(p, (R,) + p.shape), jnp.full((R,), ell, jnp.int32))
     return drafts, out.num_accepted, out.next_token
 
@@ -149,7 +149,8 @@ def test_accept_greedy_one_hot_is_exact():
     ell = rng.integers(0, g + 1, size=R)
     p = np.eye(V, dtype=np.float32)[tgt]
     q = np.eye(V, dtype=np.float32)[drafts]
-    out = jax.device_get(jax.jit(accept)(jax.random.key(0), jnp.asarray(drafts, jnp.int32),
+    out = jax.device_get(jax.jit(accept)(jax.random.split(jax.random.key(0), R),
+                                         jnp.asarray(drafts, jnp.int32),
                                          jnp.asarray(q), jnp.asarray(p),
                                          jnp.asarray(ell, jnp.int32)))
     prefix = np.sum(np.cumprod(drafts == tgt[:, :g], axis=1), axis=1)
@@ -280,21 +281,21 @@ def test_engine_matches_target_distribution(engines, exact_logits, temperature, 
 # ----------------------------------------------------------------------------- negative controls
 
 
-def accept_everything(key, draft_tokens, draft_probs, target_probs, verify_len) -> Acceptance:
+def accept_everything(keys, draft_tokens, draft_probs, target_probs, verify_len) -> Acceptance:
     """BROKEN: every verified draft is accepted (k = ℓ), the next token drawn from p_ℓ."""
     k = verify_len.astype(jnp.int32)
     p_k = jnp.take_along_axis(target_probs, k[:, None, None], 1)[:, 0]
-    return Acceptance(num_accepted=k, next_token=sample(jax.random.split(key)[1], p_k))
+    return Acceptance(num_accepted=k, next_token=sample(split_rows(keys)[1], p_k))
 
 
-def resample_from_target(key, draft_tokens, draft_probs, target_probs, verify_len) -> Acceptance:
+def resample_from_target(keys, draft_tokens, draft_probs, target_probs, verify_len) -> Acceptance:
     """BROKEN: the acceptance test is right, but a rejected draft is replaced by a sample of p_k
     instead of the residual norm(max(0, p_k − q_{k+1}))."""
     R, gamma = draft_tokens.shape
-    k_u, k_next = jax.random.split(key)
+    k_u, k_next = split_rows(keys)
     p_d = jnp.take_along_axis(target_probs[:, :-1], draft_tokens[..., None], -1)[..., 0]
     q_d = jnp.take_along_axis(draft_probs, draft_tokens[..., None], -1)[..., 0]
-    u = jax.random.uniform(k_u, (R, gamma))
+    u = jax.vmap(lambda k: jax.random.uniform(k, (gamma,)))(k_u)
     ok = (u * q_d < p_d) & (jnp.arange(gamma) < verify_len[:, None])
     k = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
     p_k = jnp.take_along_axis(target_probs, k[:, None, None], 1)[:, 0]

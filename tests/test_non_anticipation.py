@@ -31,7 +31,7 @@ def first_token_distribution(verify_len_of):
     q = jnp.broadcast_to(jnp.asarray(Q, jnp.float32), (N, 2, 2))
     p = jnp.broadcast_to(jnp.asarray(P_T, jnp.float32), (N, 3, 2))
     ell = verify_len_of(drafts)
-    acc = accept(k_acc, drafts, q, p, ell)
+    acc = accept(jax.random.split(k_acc, N), drafts, q, p, ell)
     first = jnp.where(acc.num_accepted >= 1, drafts[:, 0], acc.next_token)
     return np.bincount(np.asarray(first), minlength=2) / N
 

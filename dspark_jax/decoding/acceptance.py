@@ -21,14 +21,15 @@ class Acceptance:
     next_token: jax.Array  # [R] int32, the bonus / correction token (the new anchor)
 
 
-def accept(key: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array, target_probs: jax.Array,
+def accept(keys: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array, target_probs: jax.Array,
            verify_len: jax.Array) -> Acceptance:
-    """draft_tokens [R,γ], draft_probs q [R,γ,V], target_probs p [R,γ+1,V], verify_len ℓ [R]."""
+    """keys [R] (one per request), draft_tokens [R,γ], draft_probs q [R,γ,V], target_probs
+    p [R,γ+1,V], verify_len ℓ [R]."""
     R, gamma = draft_tokens.shape
-    k_u, k_next = jax.random.split(key)
+    k_u, k_next = split_rows(keys)
     p_d = jnp.take_along_axis(target_probs[:, :-1], draft_tokens[..., None], -1)[..., 0]  # p_{j-1}(d_j)
     q_d = jnp.take_along_axis(draft_probs, draft_tokens[..., None], -1)[..., 0]  # q_j(d_j)
-    u = jax.random.uniform(k_u, (R, gamma))
+    u = jax.vmap(lambda k: jax.random.uniform(k, (gamma,)))(k_u)
     ok = (u * q_d < p_d) & (jnp.arange(gamma) < verify_len[:, None])  # u < p/q without dividing
     k = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
     p_k = jnp.take_along_axis(target_probs, k[:, None, None], 1)[:, 0]  # [R,V]
@@ -38,3 +39,9 @@ def accept(key: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array, targ
     rejected = (k < verify_len)[:, None]
     dist = jnp.where(rejected & (mass > 0), residual / jnp.where(mass > 0, mass, 1.0), p_k)
     return Acceptance(num_accepted=k, next_token=sample(k_next, dist))
+
+
+def split_rows(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Two independent [R] keys from each of [R] keys."""
+    pair = jax.vmap(jax.random.split)(keys)  # [R, 2]
+    return pair[:, 0], pair[:, 1]

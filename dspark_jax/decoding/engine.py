@@ -15,20 +15,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import os
 import time
+import zlib
 from collections import deque
 from typing import Any, Callable, Iterable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dspark_jax.config import DrafterConfig, TargetConfig
+from dspark_jax.decoding import profile as sps_profile
 from dspark_jax.decoding import rounds
 from dspark_jax.decoding.acceptance import accept
 from dspark_jax.decoding.metrics import Tally
-from dspark_jax.decoding.rounds import FINISH_REASONS, NO_STOP, RUNNING, EngineShape
+from dspark_jax.decoding.policies import bucket_for, make_policy
 from dspark_jax.decoding.schedulers import SchedulerConfig
+from dspark_jax.decoding.state import FINISH_REASONS, NO_STOP, RUNNING, EngineShape, init_state
 from dspark_jax.errors import DSparkError
 
 
@@ -59,6 +65,26 @@ class Request:
     top_p: float = 1.0
     top_k: int = 0
     stop_ids: tuple[int, ...] = ()
+    seed: int | None = None  # the request's random stream; None: derived from its id
+
+    def __post_init__(self):
+        problems = []
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            problems.append(f"temperature {self.temperature!r} must be a finite number >= 0")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            problems.append(f"top_p {self.top_p!r} must be in (0, 1]")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            problems.append(f"top_k {self.top_k!r} must be an integer >= 0 (0 = off)")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2 ** 32):
+            problems.append(f"seed {self.seed!r} must be an integer in [0, 2^32)")
+        if problems:
+            raise DSparkError(f"request {self.id}: " + "; ".join(problems))
+
+    @property
+    def stream(self) -> int:
+        """uint32 seed of this request's random stream: its own, else a stable hash of its id."""
+        return self.seed if self.seed is not None else zlib.crc32(str(self.id).encode())
 
 
 @dataclasses.dataclass
@@ -68,16 +94,29 @@ class Result:
     finish_reason: str
     accepted: list[int]  # tokens committed in each round (the first comes from prefill)
     verified: list[int]  # drafts verified in each round
+    # With generate(..., keep_confidences=True), per round: the raw confidence logits [γ] of the
+    # block (empty for a round without a proposal) and k, the drafts accepted before any cut.
+    conf_logits: list[list[float]] = dataclasses.field(default_factory=list)
+    drafts_accepted: list[int] = dataclasses.field(default_factory=list)
 
 
 class Engine:
-    """Owns the compiled programs and the device state; `generate` runs the host loop."""
+    """Owns the compiled programs and the device state; `generate` runs the host loop.
+
+    `scheduler` picks the round policy (`policies.py`). The load-aware ones (greedy, async) need an
+    SPS profile: `sps` (a profile or a path), else a cached start-up profile for this model, slot
+    count, context and device, else one measured at warm-up and cached. `sts`: the calibration
+    temperatures of the confidence head, one per block position.
+    """
 
     def __init__(self, tcfg: TargetConfig, target_params, dcfg: DrafterConfig | None = None,
                  drafter_params=None, *, slots: int = 8, max_len: int = 512,
                  scheduler: SchedulerConfig = SchedulerConfig(), prefill_buckets: Iterable[int] = (),
                  max_prefill_batch: int = 8, max_stop_ids: int = 8, seed: int = 0,
-                 acceptance: Callable = accept, mesh: Mesh | None = None):
+                 acceptance: Callable = accept, mesh: Mesh | None = None,
+                 sts: tuple[float, ...] | None = None,
+                 sps: sps_profile.SpsProfile | str | os.PathLike | None = None,
+                 cache_profile: bool = True):
         if (dcfg is None) != (drafter_params is None):
             raise ValueError("give both the drafter config and its params, or neither")
         if max_len > tcfg.max_position_embeddings:
@@ -85,8 +124,12 @@ class Engine:
                               f"{tcfg.max_position_embeddings}")
         if max_len < 2:
             raise DSparkError(f"max_len {max_len}: need at least 2 positions")
+        if sts is not None and (dcfg is None or len(sts) != dcfg.block_size):
+            raise DSparkError(f"{len(sts)} calibration temperatures for a drafter with block size "
+                              f"{dcfg.block_size if dcfg else 0}")
         self.shape = EngineShape(tcfg=tcfg, dcfg=dcfg, slots=slots, max_len=max_len,
                                  max_stop_ids=max_stop_ids, scheduler=scheduler,
+                                 sts=None if sts is None else tuple(float(t) for t in sts),
                                  acceptance=acceptance)
         self.tcfg, self.tparams, self.dcfg, self.dparams = tcfg, target_params, dcfg, drafter_params
         self.R, self.S, self.scheduler, self.NS = slots, max_len, scheduler, max_stop_ids
@@ -95,20 +138,30 @@ class Engine:
         given = set(prefill_buckets) or set(_powers_of_two(16, max_len))
         self.prefill_buckets = sorted(b for b in given if b < max_len) + [max_len]
         self.batch_buckets = _powers_of_two(1, min(slots, max_prefill_batch))
-        # Verification buckets: multiples of the per-request width up to all slots full.
+        # Verification buckets (tokens): fixed/threshold hold every slot's anchor plus its most
+        # drafts; the load-aware schedulers pick any size up to all slots' whole blocks; rounds
+        # without a proposal hold the anchors.
         per = 1 + self.max_verify
         self.verify_buckets = sorted({min(b, slots) * per for b in _powers_of_two(1, slots)})
+        self.spec_buckets = _powers_of_two(2, slots * self.W) if dcfg else []
+        self.plain_buckets = _powers_of_two(1, slots)
         self.mesh = mesh
         if mesh is not None and slots % (mesh.shape["data"] * mesh.shape["fsdp"]):
             raise DSparkError(f"slots {slots} must be a multiple of the mesh's data x fsdp size "
                               f"{mesh.shape['data'] * mesh.shape['fsdp']}")
-        self.state = rounds.init_state(self.shape, seed, mesh)
+        self.seed = seed
+        self.state = init_state(self.shape, seed, mesh)
         self._state_sharding = jax.tree.map(lambda x: x.sharding, self.state)
         self._compiled: dict[tuple, Any] = {}
         self._warm = False
         self.guard = False  # True: any compilation after warm-up is an error
         self.compilations = 0
         self.compilations_after_warmup = 0
+        self.policy = make_policy(self)
+        self.profile: sps_profile.SpsProfile | None = None
+        self.profile_source = ""  # where the profile came from: a file, the cache, measured
+        self.sps_array = None
+        self._sps_arg, self._cache_profile = sps, cache_profile
 
     # ------------------------------------------------------------------ compiled programs
 
@@ -121,25 +174,49 @@ class Engine:
             if self.guard:
                 raise RecompileError(f"{new} program(s) compiled after warm-up (recompile guard on)")
 
-    def _program(self, kind: str, *static):
-        """The compiled program for ("round", bucket) or ("prefill", batch, length)."""
-        key = (kind, *static)
+    def _program(self, key: tuple):
+        """The compiled program for `key`: ("prefill", J, P), ("plain" | "scheduled" | "topk" |
+        "greedy_verify", F) or ("greedy_plan",)."""
         if key not in self._compiled:
             if self._warm and self.guard:
                 raise RecompileError(f"no compiled program for {key} (recompile guard on)")
+            kind, static = key[0], key[1:]
             # The state keeps its shardings round after round (a compiled program accepts only
             # the shardings it was compiled for); the small outputs come back replicated.
-            out = None if self.mesh is None else (
-                self._state_sharding, NamedSharding(self.mesh, PartitionSpec()))
-            if kind == "round":
-                fn = functools.partial(rounds.scheduled_round, self.shape, static[0])
-                args = (self.state, self.tparams, self.dparams)
-            else:
+            replicated = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+            out = None if self.mesh is None else (self._state_sharding, replicated)
+            args = (self.state, self.tparams, self.dparams)
+            donate = (0,)
+            if kind == "prefill":
                 fn = functools.partial(rounds.prefill, self.shape)
-                args = (self.state, self.tparams, self.dparams, *self._prefill_args(*static))
-            self._compiled[key] = jax.jit(fn, donate_argnums=0, out_shardings=out).lower(
+                args += self._prefill_args(*static)
+            elif kind == "greedy_plan":
+                fn = functools.partial(rounds.greedy_plan, self.shape)
+                args += (self._sps_placeholder(),)
+                out, donate = replicated, ()
+            elif kind == "greedy_verify":
+                fn = functools.partial(rounds.greedy_verify, self.shape, *static)
+                args += (jax.eval_shape(functools.partial(rounds.greedy_plan, self.shape),
+                                        *args, self._sps_placeholder()),)
+            else:
+                program = {"plain": rounds.plain_round, "scheduled": rounds.scheduled_round,
+                           "topk": rounds.topk_round}[kind]
+                fn = functools.partial(program, self.shape, *static)
+            self._compiled[key] = jax.jit(fn, donate_argnums=donate, out_shardings=out).lower(
                 *args).compile()
         return self._compiled[key]
+
+    def run_round(self, key: tuple, *extra):
+        """Dispatches a state-updating program; returns its (not yet read) output."""
+        self.state, out = self._program(key)(self.state, self.tparams, self.dparams, *extra)
+        return out
+
+    def run_program(self, key: tuple, *extra):
+        """Dispatches a program that reads the state without changing it."""
+        return self._program(key)(self.state, self.tparams, self.dparams, *extra)
+
+    def _sps_placeholder(self):
+        return jax.ShapeDtypeStruct((self.R * self.W + 1,), jnp.float32)
 
     def _prefill_args(self, J, P, batch=None):
         """Host arrays for one prefill call (zeros/unused rows when `batch` is None)."""
@@ -150,6 +227,7 @@ class Engine:
         temperature = np.zeros(J, np.float32)
         top_p = np.ones(J, np.float32)
         top_k = np.zeros(J, np.int32)
+        seed = np.zeros(J, np.uint32)
         stop_ids = np.full((J, self.NS), NO_STOP, np.int32)
         for i, (slot, req) in enumerate(batch or []):
             slot_idx[i] = slot
@@ -157,21 +235,71 @@ class Engine:
             lengths[i] = len(req.prompt_ids)
             max_new[i] = req.max_new_tokens
             temperature[i], top_p[i], top_k[i] = req.temperature, req.top_p, req.top_k
+            seed[i] = req.stream
             stop_ids[i, :len(req.stop_ids)] = req.stop_ids
-        return slot_idx, tokens, lengths, max_new, temperature, top_p, top_k, stop_ids
+        return slot_idx, tokens, lengths, max_new, temperature, top_p, top_k, seed, stop_ids
+
+    def prefill_chunks(self, joiners: list[tuple[int, Request]]) -> list[list]:
+        """(slot, request) pairs grouped by prompt bucket, in chunks of the largest batch bucket."""
+        groups = _group_by(joiners, lambda sr: bucket_for(len(sr[1].prompt_ids), self.prefill_buckets))
+        return [chunk for _, group in groups for chunk in _chunks(group, self.batch_buckets[-1])]
+
+    def prefill(self, chunk: list[tuple[int, Request]]):
+        """Dispatches the prefill of one chunk (one prompt bucket); returns (first tokens, codes)."""
+        P = bucket_for(max(len(req.prompt_ids) for _, req in chunk), self.prefill_buckets)
+        J = bucket_for(len(chunk), self.batch_buckets)
+        self.state, out = self._program(("prefill", J, P))(
+            self.state, self.tparams, self.dparams, *self._prefill_args(J, P, chunk))
+        return out
+
+    def reset(self) -> None:
+        """Empties every slot (new state; the compiled programs stay)."""
+        self.state = init_state(self.shape, self.seed, self.mesh)
 
     def warmup(self) -> float:
-        """Compiles every prefill (batch x length bucket) and round (verification bucket)."""
+        """Compiles every prefill (batch x length bucket) and every round the scheduler uses;
+        loads, or measures, the SPS profile of a load-aware scheduler."""
         t = time.perf_counter()
         before = _CompileCounter.count
         for J in self.batch_buckets:
             for P in self.prefill_buckets:
-                self._program("prefill", J, P)
-        for F in self.verify_buckets:
-            self._program("round", F)
+                self._program(("prefill", J, P))
+        for key in self.policy.programs():
+            self._program(key)
+        if self.scheduler.load_aware and self.dcfg is not None and self.profile is None:
+            self._load_profile()
         self._warm = True
         self.compilations += _CompileCounter.count - before
         return time.perf_counter() - t
+
+    # ------------------------------------------------------------------ SPS profile
+
+    def _load_profile(self) -> None:
+        """The given profile (checked), else a valid cached one, else one measured now."""
+        key = sps_profile.engine_key(self)
+        if self._sps_arg is not None:
+            given = self._sps_arg
+            prof = given if isinstance(given, sps_profile.SpsProfile) else sps_profile.load(given)
+            where = "the SPS profile" if isinstance(given, sps_profile.SpsProfile) else str(given)
+            sps_profile.check(prof, key, self.spec_buckets, self.plain_buckets, where)
+            return self.use_profile(prof, where)
+        cached = sps_profile.cache_path(key)
+        if self._cache_profile and cached.is_file():
+            try:
+                prof = sps_profile.load(cached)
+                sps_profile.check(prof, key, self.spec_buckets, self.plain_buckets, str(cached))
+                return self.use_profile(prof, f"cache {cached}")
+            except sps_profile.ProfileError:
+                pass  # stale or damaged: measure again below
+        prof = sps_profile.measure(self)
+        if self._cache_profile:
+            sps_profile.save(prof, cached)
+        self.use_profile(prof, "measured at start-up"
+                         + (f", cached in {cached}" if self._cache_profile else ""))
+
+    def use_profile(self, prof: sps_profile.SpsProfile, source: str) -> None:
+        self.profile, self.profile_source = prof, source
+        self.sps_array = jnp.asarray(prof.sps_table(self.R * self.W), jnp.float32)
 
     # ------------------------------------------------------------------ host loop
 
@@ -190,15 +318,8 @@ class Engine:
         if max(req.prompt_ids) >= self.tcfg.vocab_size or min(req.prompt_ids) < 0:
             raise DSparkError(f"request {req.id}: token id outside the vocabulary")
 
-    def _dispatch_round(self, num_live: int):
-        """Runs one round for the live slots and returns its (not yet read) output. The bucket
-        holds every live slot's anchor and the scheduler's most drafts."""
-        F = _bucket(num_live * (1 + self.max_verify), self.verify_buckets)
-        self.state, out = self._program("round", F)(self.state, self.tparams, self.dparams)
-        return out
-
-    def generate(self, requests: Iterable[Request], on_result: Callable[[Result], None] = lambda r: None
-                 ) -> dict:
+    def generate(self, requests: Iterable[Request], on_result: Callable[[Result], None] = lambda r: None,
+                 *, keep_confidences: bool = False) -> dict:
         """Decodes all requests with continuous batching; calls `on_result` as each finishes.
         Returns the run's metrics.
 
@@ -236,14 +357,19 @@ class Engine:
                     if codes[i] != RUNNING:
                         finish(slot, FINISH_REASONS[int(codes[i])])
                 return
-            out = jax.device_get(payload)
-            tally.round(out.was_active.any())
+            round_kind, F, out = payload
+            out = jax.device_get(out)
+            tally.round(round_kind, F, int(out.was_active.sum()))
+            self.policy.observe(out, list(live))
             for slot in np.flatnonzero(out.was_active):
                 res = live[slot]
                 c, ell, k = int(out.count[slot]), int(out.verified[slot]), int(out.accepted[slot])
                 res.token_ids += out.tokens[slot, :c].tolist()
                 res.accepted.append(c)
                 res.verified.append(ell)
+                if keep_confidences:
+                    res.conf_logits.append(out.conf_logits[slot].tolist())
+                    res.drafts_accepted.append(k)
                 tally.slot(c, ell, k)
                 if out.finish[slot] != RUNNING:
                     finish(slot, FINISH_REASONS[int(out.finish[slot])])
@@ -257,23 +383,21 @@ class Engine:
                 joiners.append((slot, req))
                 live[slot] = Result(id=req.id, token_ids=[], finish_reason="", accepted=[], verified=[])
                 started[slot] = time.perf_counter()
-            for P, group in _group_by(joiners, lambda sr: _bucket(len(sr[1].prompt_ids),
-                                                                  self.prefill_buckets)):
-                for chunk in _chunks(group, self.batch_buckets[-1]):
-                    J = _bucket(len(chunk), self.batch_buckets)
-                    self.state, out = self._program("prefill", J, P)(
-                        self.state, self.tparams, self.dparams, *self._prefill_args(J, P, chunk))
-                    events.append(("prefill", (chunk, out)))
+                self.policy.admitted(slot)
+            for chunk in self.prefill_chunks(joiners):
+                events.append(("prefill", (chunk, self.prefill(chunk))))
             in_flight = 0
             if live:
-                events.append(("round", self._dispatch_round(len(live))))
+                out, round_kind, F = self.policy.dispatch(list(live))
+                events.append(("round", (round_kind, F, out)))
                 in_flight = 1
             self._check_guard(mark)
             mark = _CompileCounter.count
             while len(events) > in_flight:
                 read(events.popleft())
         return {**tally.summary(), "compilations": self.compilations,
-                "compilations_after_warmup": self.compilations_after_warmup}
+                "compilations_after_warmup": self.compilations_after_warmup,
+                "scheduler": self.scheduler.describe(self.gamma) if self.dcfg else "plain"}
 
 
 def _powers_of_two(lo: int, hi: int) -> list[int]:
@@ -282,13 +406,6 @@ def _powers_of_two(lo: int, hi: int) -> list[int]:
         out.append(b)
         b *= 2
     return out + [hi]
-
-
-def _bucket(n: int, buckets: list[int]) -> int:
-    for b in buckets:
-        if b >= n:
-            return b
-    raise AssertionError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
 def _group_by(items, key):

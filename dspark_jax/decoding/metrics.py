@@ -1,8 +1,10 @@
 """The engine's run metrics: a per-round tally on the host and the summary dictionary.
 
-τ counts the tokens a round commits (accepted drafts + the bonus) before stop and budget cuts;
-`conditional_acceptance[j]` is the share of the rounds that verified draft j+1 in which it was
-accepted.
+τ counts the tokens a round commits (accepted drafts + the bonus) before stop and budget cuts.
+`conditional_acceptance[j]` is P(draft j+1 accepted | drafts 1..j accepted), over the slot-rounds
+that verified draft j+1 and accepted the j before it. `mean_budget` is the verification paid per
+request and round beyond its anchor, (bucket - active) / active, padding included (0 for a round
+without a proposal); `buckets` counts the rounds per (kind, bucket).
 """
 
 from __future__ import annotations
@@ -23,15 +25,23 @@ class Tally:
         self.verified: list[int] = []
         self.accepted: list[int] = []
         self.rates: list[float] = []  # per finished request: tokens after the first / seconds
-        self.pos_verified = np.zeros(max(gamma, 1), np.int64)
+        self.pos_reached = np.zeros(max(gamma, 1), np.int64)  # verified, and the ones before accepted
         self.pos_accepted = np.zeros(max(gamma, 1), np.int64)
+        self.budgets: list[float] = []
+        self.buckets: dict[str, int] = {}
         self.t_start = time.perf_counter()
 
     def prefill_token(self) -> None:
         self.out_tokens += 1
 
-    def round(self, any_active: bool) -> None:
-        self.rounds += int(any_active)
+    def round(self, kind: str, bucket: int, num_active: int) -> None:
+        """A round of `kind` ("spec" or "plain") verifying `bucket` tokens for `num_active` slots."""
+        if not num_active:
+            return
+        self.rounds += 1
+        self.budgets.append((bucket - num_active) / num_active if kind == "spec" else 0.0)
+        name = f"{kind}:{bucket}"
+        self.buckets[name] = self.buckets.get(name, 0) + 1
 
     def slot(self, committed: int, verified: int, accepted: int) -> None:
         """One active slot's round: `committed` tokens kept, ℓ verified, k accepted."""
@@ -39,7 +49,7 @@ class Tally:
         self.tau.append(accepted + 1)
         self.verified.append(verified)
         self.accepted.append(accepted)
-        self.pos_verified[:verified] += 1
+        self.pos_reached[:min(accepted + 1, verified)] += 1
         self.pos_accepted[:min(accepted, verified)] += 1
 
     def finished(self, num_tokens: int, seconds: float) -> None:
@@ -54,8 +64,11 @@ class Tally:
             "tau": float(np.mean(self.tau)) if self.tau else 0.0,
             "acceptance_rate": float(accepted.sum() / verified.sum()) if verified.sum() else 0.0,
             "conditional_acceptance": [float(a / v) if v else 0.0 for a, v in
-                                       zip(self.pos_accepted, self.pos_verified)][:self.gamma],
+                                       zip(self.pos_accepted, self.pos_reached)][:self.gamma],
             "mean_verified": float(verified.mean()) if len(verified) else 0.0,
+            "mean_budget": float(np.mean(self.budgets)) if self.budgets else 0.0,
+            "buckets": dict(sorted(self.buckets.items(), key=lambda kv: (kv[0].split(":")[0],
+                                                                          int(kv[0].split(":")[1])))),
             "output_tokens": self.out_tokens,
             "output_tokens_per_s": self.out_tokens / elapsed if elapsed else 0.0,
             # Decoding speed one user sees: tokens after the first over the time since admission.

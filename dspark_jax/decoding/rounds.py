@@ -1,120 +1,62 @@
-"""The engine's device programs (DESIGN §4, §7): pure functions of (static shape, state, params).
+"""The engine's device programs (DESIGN §4, §7): pure functions of (shape, [bucket,] state, params).
 
-`EngineShape` is everything static (configs, slot count, context, the scheduler); it is hashable,
-so each program is a `jax.jit` of one of these functions with the shape (and the verification
-bucket) bound. The state is a pytree: slots as arrays, the target KV cache, the drafter's context
-cache, the random key. A round is built from stages that later rounds reuse:
+Each program is a `jax.jit` of one of these functions with the static `EngineShape` (and the
+verification bucket F) bound; the host loop in `engine.py` picks which to dispatch. A round is
+built from three stages:
 
-    propose (drafter + Markov scan + confidence) -> select ℓ_r -> verify_and_commit: verify a flat
-    batch of Σ_r (1 + ℓ_r) <= F tokens, accept, commit caches, context features and anchors.
+    propose_stage (drafter + Markov scan + calibrated confidence) -> ℓ_r (a scheduler) ->
+    verify_and_commit (a flat batch of Σ_r (1 + ℓ_r) <= F tokens; accept; commit caches,
+    context features and anchors)
+
+and the programs compose them: `scheduled_round` (fixed, threshold: ℓ per request on the device),
+`topk_round` (async: the F - n best candidates fill the bucket), `plain_round` (no proposal: the
+anchors only, the drafter's context still gains every committed token), `greedy_plan` then
+`greedy_verify` (Algorithm 1, with a host read of B between them).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dspark_jax.config import DrafterConfig, TargetConfig
-from dspark_jax.decoding.acceptance import accept
-from dspark_jax.decoding.sampling import sample, target_probs
-from dspark_jax.decoding.schedulers import SchedulerConfig, schedule
+from dspark_jax.decoding.acceptance import split_rows
+from dspark_jax.decoding.sampling import ACCEPT, FIRST_TOKEN, PROPOSE, row_keys, sample, target_probs
+from dspark_jax.decoding.schedulers import admit_first, candidate_order, greedy_count, schedule
+from dspark_jax.decoding.state import (
+    CONTEXT,
+    LENGTH,
+    RUNNING,
+    STOP,
+    EngineShape,
+    EngineState,
+    RoundOutput,
+    Slots,
+)
 from dspark_jax.models.drafter import DraftCache, extend_context, propose
 from dspark_jax.models.target import KVCache, forward, forward_flat
-from dspark_jax.sharding import logical_to_spec
-
-RUNNING, STOP, LENGTH, CONTEXT = 0, 1, 2, 3
-FINISH_REASONS = {STOP: "stop", LENGTH: "length", CONTEXT: "context"}
-NO_STOP = -1  # padding of the stop-id table
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineShape:
-    """What every program is compiled for; per-request values are arrays in the state instead."""
-
-    tcfg: TargetConfig
-    dcfg: DrafterConfig | None  # None: plain target decoding
-    slots: int  # R
-    max_len: int  # S, context positions per slot
-    max_stop_ids: int  # NS
-    scheduler: SchedulerConfig
-    acceptance: Callable = accept  # the rule; replaceable only to test that tests can fail
-
-    @property
-    def gamma(self) -> int:
-        return self.dcfg.block_size if self.dcfg else 0
-
-    @property
-    def width(self) -> int:
-        """W = γ + 1: the most tokens one request commits in a round."""
-        return self.gamma + 1
-
-    @property
-    def max_verify(self) -> int:
-        """The most drafts one request verifies in a round."""
-        return self.scheduler.max_len(self.gamma) if self.dcfg else 0
 
 
 @struct.dataclass
-class Slots:
-    """Per-slot decoding state; every field is [R] (stop_ids [R, NS])."""
+class Draft:
+    """One round's proposal for every slot."""
 
-    active: jax.Array  # bool
-    length: jax.Array  # int32 n: positions 0..n-1 are in the caches; the anchor sits at n
-    anchor: jax.Array  # int32 last committed token, not yet run through the target
-    generated: jax.Array  # int32 output tokens so far
-    max_new: jax.Array  # int32 budget
-    temperature: jax.Array  # float32, 0 = greedy
-    top_p: jax.Array  # float32
-    top_k: jax.Array  # int32, 0 = off
-    stop_ids: jax.Array  # int32 [R, NS], NO_STOP padded
+    tokens: jax.Array  # [R, γ] int32 d_1..d_γ
+    probs: jax.Array  # [R, γ, V] float32 q_j the drafts were sampled from
+    conf_logits: jax.Array  # [R, γ] raw confidence logits
+    confidence: jax.Array  # [R, γ] calibrated c_j
+    survival: jax.Array  # [R, γ] calibrated prefix survival a_j
 
 
 @struct.dataclass
-class EngineState:
-    slots: Slots
-    target_cache: KVCache
-    draft_cache: DraftCache | None
-    key: jax.Array
+class GreedyPlan:
+    """Algorithm 1's decision, kept on the device between `greedy_plan` and `greedy_verify`."""
 
-
-@struct.dataclass
-class RoundOutput:
-    tokens: jax.Array  # [R, W] committed tokens (first `count` valid)
-    count: jax.Array  # [R] tokens committed this round (bonus included, after stop/budget cuts)
-    verified: jax.Array  # [R] ℓ: drafts verified
-    accepted: jax.Array  # [R] k: drafts accepted (before cuts)
-    finish: jax.Array  # [R] RUNNING or a finish code
-    was_active: jax.Array  # [R]
-
-
-def init_state(shape: EngineShape, seed: int, mesh: Mesh | None = None) -> EngineState:
-    """Empty slots and zeroed caches; on `mesh`, requests over (data, fsdp), KV heads over tensor
-    and the small per-slot arrays replicated."""
-    R, NS = shape.slots, shape.max_stop_ids
-    slots = Slots(active=np.zeros(R, bool), length=np.zeros(R, np.int32),
-                  anchor=np.zeros(R, np.int32), generated=np.zeros(R, np.int32),
-                  max_new=np.zeros(R, np.int32), temperature=np.zeros(R, np.float32),
-                  top_p=np.ones(R, np.float32), top_k=np.zeros(R, np.int32),
-                  stop_ids=np.full((R, NS), NO_STOP, np.int32))
-    draft = (DraftCache.create(shape.tcfg, shape.dcfg, R, shape.max_len)
-             if shape.dcfg else None)
-    state = EngineState(slots=slots, target_cache=KVCache.create(shape.tcfg, R, shape.max_len),
-                        draft_cache=draft, key=jax.random.key(seed))
-    if mesh is None:
-        return jax.tree.map(jnp.asarray, state)
-    cache = NamedSharding(mesh, logical_to_spec(
-        ("layers", "batch", "cache_seq", "kv_heads", "head_dim")))
-    replicated = NamedSharding(mesh, PartitionSpec())
-    shard = jax.tree.map(lambda _: replicated, state)
-    shard = shard.replace(target_cache=KVCache(k=cache, v=cache),
-                          draft_cache=None if draft is None else DraftCache(k=cache, v=cache))
-    return jax.device_put(state, shard)
+    draft: Draft
+    ell: jax.Array  # [R] admitted drafts
+    order: jax.Array  # [R·γ] candidate order
+    a_sorted: jax.Array  # [R·γ] survival in that order (-1: past a row's room)
+    tokens: jax.Array  # [] int32 B = active anchors + admitted drafts
 
 
 def truncate(tokens, count, stop_ids, remaining):
@@ -130,8 +72,17 @@ def truncate(tokens, count, stop_ids, remaining):
     return count, finish
 
 
+def room(shape: EngineShape, s: Slots) -> jax.Array:
+    """[R] the most drafts each slot can verify: positions n..n+ℓ must fit in the context, no more
+    drafts than the budget can still use, none for an empty slot."""
+    remaining = s.max_new - s.generated
+    most = jnp.minimum(jnp.minimum(shape.max_verify, shape.max_len - 1 - s.length),
+                       jnp.maximum(remaining - 1, 0))
+    return jnp.where(s.active, jnp.maximum(most, 0), 0).astype(jnp.int32)
+
+
 def prefill(shape: EngineShape, state: EngineState, tparams, dparams, slot_idx, tokens, lengths,
-            max_new, temperature, top_p, top_k, stop_ids):
+            max_new, temperature, top_p, top_k, seed, stop_ids):
     """Prompts [J, P] into slots `slot_idx` [J] (R = unused row); samples the first tokens.
 
     Returns (state, (first tokens [J], finish codes [J])).
@@ -152,9 +103,8 @@ def prefill(shape: EngineShape, state: EngineState, tparams, dparams, slot_idx, 
         sub_d = extend_context(dparams, tcfg, shape.dcfg, sub_d, out.taps, positions, valid)
         dc = DraftCache(k=dc.k.at[:, slot_idx].set(sub_d.k, mode="drop"),
                         v=dc.v.at[:, slot_idx].set(sub_d.v, mode="drop"))
-    key, k_sample = jax.random.split(state.key)
     probs = target_probs(out.logits[:, 0], temperature, top_p, top_k)
-    first = sample(k_sample, probs)
+    first = sample(row_keys(state.key, seed, lengths, FIRST_TOKEN), probs)
     count, finish = truncate(first[:, None], jnp.ones((J,), jnp.int32), stop_ids, max_new)
     finish = jnp.where((finish == RUNNING) & (lengths >= shape.max_len), CONTEXT, finish)
     s = state.slots
@@ -162,24 +112,38 @@ def prefill(shape: EngineShape, state: EngineState, tparams, dparams, slot_idx, 
     slots = Slots(active=upd(s.active, finish == RUNNING), length=upd(s.length, lengths),
                   anchor=upd(s.anchor, first), generated=upd(s.generated, count),
                   max_new=upd(s.max_new, max_new), temperature=upd(s.temperature, temperature),
-                  top_p=upd(s.top_p, top_p), top_k=upd(s.top_k, top_k),
+                  top_p=upd(s.top_p, top_p), top_k=upd(s.top_k, top_k), seed=upd(s.seed, seed),
                   stop_ids=upd(s.stop_ids, stop_ids))
-    return EngineState(slots=slots, target_cache=tc, draft_cache=dc, key=key), (first, finish)
+    return state.replace(slots=slots, target_cache=tc, draft_cache=dc), (first, finish)
+
+
+def propose_stage(shape: EngineShape, state: EngineState, tparams, dparams) -> Draft:
+    """Every slot's block of γ drafts with calibrated confidences. Without a confidence head the
+    drafter's own top probability at each position stands in (known before the draft is drawn)."""
+    s, dcfg = state.slots, shape.dcfg
+    keys = row_keys(state.key, s.seed, s.length, PROPOSE)
+    prop = propose(dparams, tparams, shape.tcfg, dcfg, state.draft_cache, s.anchor, s.length,
+                   s.temperature, keys)
+    z = prop.conf_logits
+    if not dcfg.enable_confidence_head:
+        top = jnp.clip(jnp.max(jax.nn.softmax(prop.base_logits, -1), -1), 1e-6, 1 - 1e-6)
+        z = jnp.log(top) - jnp.log1p(-top)
+    temps = jnp.asarray(shape.sts if shape.sts else (1.0,) * dcfg.block_size, jnp.float32)
+    c = jax.nn.sigmoid(z / temps)
+    return Draft(tokens=prop.tokens, probs=prop.probs, conf_logits=z, confidence=c,
+                 survival=jnp.cumprod(c, axis=-1))
 
 
 def verify_and_commit(shape: EngineShape, bucket: int, state: EngineState, tparams, dparams,
-                      drafts: jax.Array, draft_probs: jax.Array | None, ell: jax.Array, key: jax.Array
-                      ) -> tuple[EngineState, RoundOutput]:
+                      draft: Draft | None, ell: jax.Array) -> tuple[EngineState, RoundOutput]:
     """Verifies every active slot's anchor and its first ℓ_r drafts in one flat batch of `bucket`
-    tokens, accepts, and commits. drafts [R, γ] int32, draft_probs [R, γ, V] (None without a
-    drafter), ℓ [R] as scheduled (clipped here to each slot's room and budget)."""
-    tcfg, R, S, W = shape.tcfg, shape.slots, shape.max_len, shape.width
+    tokens, accepts, and commits. `draft` None: no proposal (each slot verifies its anchor only);
+    ℓ [R] is clipped here to each slot's room."""
+    tcfg, R, S = shape.tcfg, shape.slots, shape.max_len
     s = state.slots
-    k_acc = key
-    remaining = s.max_new - s.generated
-    # Verify positions n..n+ℓ < S, and no more drafts than the budget can still use.
-    ell = jnp.clip(ell, 0, jnp.minimum(shape.max_verify, S - 1 - s.length))
-    ell = jnp.where(s.active, jnp.minimum(ell, jnp.maximum(remaining - 1, 0)), 0)
+    drafts = jnp.zeros((R, 0), jnp.int32) if draft is None else draft.tokens
+    W = drafts.shape[1] + 1
+    ell = jnp.minimum(ell, room(shape, s))
     counts = jnp.where(s.active, 1 + ell, 0)
     ends = jnp.cumsum(counts)
     i = jnp.arange(bucket)
@@ -194,14 +158,16 @@ def verify_and_commit(shape: EngineShape, bucket: int, state: EngineState, tpara
     logits = jnp.zeros((R * W, tcfg.vocab_size), jnp.float32).at[grid].set(
         out.logits, mode="drop").reshape(R, W, -1)
     p = target_probs(logits, s.temperature[:, None], s.top_p[:, None], s.top_k[:, None])
-    if draft_probs is not None:
-        acc = shape.acceptance(k_acc, drafts, draft_probs, p, ell)
+    keys = row_keys(state.key, s.seed, s.length, ACCEPT)
+    if draft is not None:
+        acc = shape.acceptance(keys, drafts, draft.probs, p, ell)
         k, nxt = acc.num_accepted, acc.next_token
     else:
-        k, nxt = jnp.zeros((R,), jnp.int32), sample(k_acc, p[:, 0])
+        k, nxt = jnp.zeros((R,), jnp.int32), sample(split_rows(keys)[1], p[:, 0])
     jw = jnp.arange(W)
     padded = jnp.concatenate([drafts, jnp.zeros((R, 1), jnp.int32)], axis=1)
     tokens = jnp.where(jw < k[:, None], padded, nxt[:, None])
+    remaining = s.max_new - s.generated
     count, finish = truncate(tokens, k + 1, s.stop_ids, remaining)
     new_length = s.length + k + 1
     finish = jnp.where((finish == RUNNING) & (new_length >= S), CONTEXT, finish)
@@ -217,26 +183,57 @@ def verify_and_commit(shape: EngineShape, bucket: int, state: EngineState, tpara
                       length=jnp.where(s.active, new_length, s.length),
                       anchor=jnp.where(s.active, nxt, s.anchor),
                       generated=s.generated + count)
-    new_state = EngineState(slots=slots, target_cache=out.cache, draft_cache=dc, key=state.key)
-    return new_state, RoundOutput(tokens=tokens, count=count, verified=ell, accepted=k,
-                                  finish=finish, was_active=s.active)
+    no_conf = jnp.zeros((R, 0), jnp.float32)
+    return state.replace(slots=slots, target_cache=out.cache, draft_cache=dc), RoundOutput(
+        tokens=tokens, count=count, verified=ell, accepted=k, finish=finish, was_active=s.active,
+        conf_logits=no_conf if draft is None else draft.conf_logits,
+        survival=no_conf if draft is None else draft.survival)
 
 
-def scheduled_round(shape: EngineShape, bucket: int, state: EngineState, tparams, dparams
-                    ) -> tuple[EngineState, RoundOutput]:
-    """One decoding round for every active slot: the scheduler picks ℓ_r on the device, and at
-    most `bucket` tokens are verified (the bucket holds every slot's anchor plus `max_verify`).
-    Without a drafter it is plain target decoding (ℓ = 0)."""
-    R, s = shape.slots, state.slots
-    key, k_prop, k_acc = jax.random.split(state.key, 3)
-    if shape.dcfg is not None:
-        prop = propose(dparams, tparams, shape.tcfg, shape.dcfg, state.draft_cache, s.anchor,
-                       s.length, s.temperature, k_prop)
-        ell = schedule(shape.scheduler, jax.nn.sigmoid(prop.conf_logits))
-        drafts, draft_probs = prop.tokens, prop.probs
-    else:
-        ell = jnp.zeros((R,), jnp.int32)
-        drafts, draft_probs = jnp.zeros((R, 0), jnp.int32), None
-    state, out = verify_and_commit(shape, bucket, state, tparams, dparams, drafts, draft_probs,
-                                   ell, k_acc)
-    return state.replace(key=key), out
+def plain_round(shape: EngineShape, bucket: int, state: EngineState, tparams, dparams):
+    """No proposal: every active slot's anchor is verified (plain target decoding); the drafter's
+    context, if any, still gains the committed token's features."""
+    return verify_and_commit(shape, bucket, state, tparams, dparams, None,
+                             jnp.zeros((shape.slots,), jnp.int32))
+
+
+def scheduled_round(shape: EngineShape, bucket: int, state: EngineState, tparams, dparams):
+    """fixed / threshold: ℓ_r per request on the device; the bucket holds every active anchor plus
+    the scheduler's most drafts."""
+    draft = propose_stage(shape, state, tparams, dparams)
+    return verify_and_commit(shape, bucket, state, tparams, dparams, draft,
+                             schedule(shape.scheduler, draft.confidence))
+
+
+def topk_round(shape: EngineShape, bucket: int, state: EngineState, tparams, dparams):
+    """async: the bucket (chosen on the host from earlier rounds) is filled by every active anchor
+    and the bucket - n candidates with the highest current survival."""
+    draft = propose_stage(shape, state, tparams, dparams)
+    s = state.slots
+    order, a_sorted = candidate_order(draft.survival, room(shape, s))
+    ell = admit_first(order, a_sorted, bucket - jnp.sum(s.active), shape.slots)
+    return verify_and_commit(shape, bucket, state, tparams, dparams, draft, ell)
+
+
+def greedy_plan(shape: EngineShape, state: EngineState, tparams, dparams, sps: jax.Array
+                ) -> GreedyPlan:
+    """Algorithm 1 on this round's proposal; the host reads `tokens` (B) to pick the bucket.
+    sps [B_max + 1]: the profiled steps per second of a verification of B tokens."""
+    draft = propose_stage(shape, state, tparams, dparams)
+    s = state.slots
+    order, a_sorted = candidate_order(draft.survival, room(shape, s))
+    n = jnp.sum(s.active).astype(jnp.int32)
+    m = greedy_count(a_sorted, n, sps)
+    return GreedyPlan(draft=draft, ell=admit_first(order, a_sorted, m, shape.slots), order=order,
+                      a_sorted=a_sorted, tokens=n + m)
+
+
+def greedy_verify(shape: EngineShape, bucket: int, state: EngineState, tparams, dparams,
+                  plan: GreedyPlan):
+    """Verifies the plan in `bucket`; with bucket fill the padding takes the next candidates in
+    the same order (the bucket was decided by candidates ranked before them)."""
+    ell = plan.ell
+    if shape.scheduler.bucket_fill:
+        ell = admit_first(plan.order, plan.a_sorted, bucket - jnp.sum(state.slots.active),
+                          shape.slots)
+    return verify_and_commit(shape, bucket, state, tparams, dparams, plan.draft, ell)

@@ -1,7 +1,13 @@
-"""Per-request sampling distributions: temperature, top-k, top-p, greedy; all arrays, never static.
+"""Per-request sampling distributions and random streams; every parameter an array, never static.
 
-Temperature 0 means greedy: the distribution is the one-hot of the argmax, so greedy decoding and
+Filters follow Hugging Face and vLLM: temperature, then top-k, then top-p measured on the
+renormalised top-k set (the most likely token always stays), then renormalise. A row's
+distribution is a function of its own logits and parameters only, bit for bit whatever its
+batch-mates ask for. Temperature 0 means greedy: the one-hot of the argmax, so greedy decoding and
 speculative acceptance go through the same code as sampling.
+
+Randomness is per request: `row_keys` derives a key from the engine's base key, the request's seed,
+the position and the stage, so a request draws the same numbers whatever slot or batch it is in.
 """
 
 from __future__ import annotations
@@ -9,39 +15,50 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+# Stages of one position's randomness (`row_keys`).
+FIRST_TOKEN, PROPOSE, ACCEPT = 0, 1, 2
+
 
 def target_probs(logits: jax.Array, temperature: jax.Array, top_p: jax.Array,
                  top_k: jax.Array) -> jax.Array:
     """float32 probabilities [..., V] from logits [..., V] and per-row parameters [...].
 
-    top_k <= 0 and top_p >= 1 disable the filters. Filtering keeps the k most likely tokens, then
-    the smallest prefix (by probability) whose mass reaches top_p; the result is renormalised.
+    top_k <= 0 and top_p >= 1 disable the filters; a row with both disabled is never filtered.
     """
     logits = logits.astype(jnp.float32)
     V = logits.shape[-1]
     greedy = temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, temperature)[..., None]
-    filtering = ((top_k > 0) & (top_k < V)) | (top_p < 1.0)
+    filtering = (((top_k > 0) & (top_k < V)) | (top_p < 1.0)) & ~greedy
 
     def filtered(scaled):
         # One sort serves both filters; skipped entirely when no row asks for either.
         order = jnp.argsort(-scaled, axis=-1)
-        sorted_probs = jax.nn.softmax(jnp.take_along_axis(scaled, order, axis=-1), axis=-1)
-        rank = jnp.arange(V)
-        k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)[..., None]
-        mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-        keep_sorted = (rank < k) & (mass_before < top_p[..., None])  # rank 0 is always kept
+        sorted_scaled = jnp.take_along_axis(scaled, order, axis=-1)
+        in_top_k = jnp.arange(V) < jnp.where(top_k > 0, jnp.minimum(top_k, V), V)[..., None]
+        probs_k = jax.nn.softmax(jnp.where(in_top_k, sorted_scaled, -jnp.inf), axis=-1)
+        mass_before = jnp.cumsum(probs_k, axis=-1) - probs_k
+        keep_sorted = in_top_k & ((mass_before < top_p[..., None]) | (top_p[..., None] >= 1.0))
         keep = jnp.put_along_axis(jnp.zeros_like(keep_sorted), order, keep_sorted, axis=-1,
                                   inplace=False)
-        return jnp.where(keep, scaled, -jnp.inf)
+        return jnp.where(keep | ~filtering[..., None], scaled, -jnp.inf)
 
-    scaled = jax.lax.cond(jnp.any(filtering & ~greedy), filtered, lambda x: x, scaled)
+    scaled = jax.lax.cond(jnp.any(filtering), filtered, lambda x: x, scaled)
     soft = jax.nn.softmax(scaled, axis=-1)
     hard = jax.nn.one_hot(jnp.argmax(logits, -1), V, dtype=jnp.float32)
     return jnp.where(greedy[..., None], hard, soft)
 
 
-def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
-    """int32 token ids [...] drawn from probabilities [..., V] (exact zeros are never drawn)."""
+def row_keys(base: jax.Array, seeds: jax.Array, positions: jax.Array, stage: int) -> jax.Array:
+    """[R] keys: one stream per request seed [R] (uint32), anchor position [R] and stage."""
+    def one(seed, position):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(base, seed), position),
+                                  stage)
+    return jax.vmap(one)(seeds, positions)
+
+
+def sample(keys: jax.Array, probs: jax.Array) -> jax.Array:
+    """int32 token ids [R] drawn from probabilities [R, V], row r with keys[r] (exact zeros are
+    never drawn)."""
     logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
-    return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
+    return jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)

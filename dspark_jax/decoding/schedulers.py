@@ -1,10 +1,26 @@
-"""Verification-length schedulers (DESIGN §5): pure functions from confidences to lengths.
+"""Verification-length schedulers (DESIGN §5): from confidences and the machine's load to ℓ_r.
 
-A scheduler maps the round's calibrated confidences c [R, γ] (the probability that draft j survives
-given that the earlier ones did) and the engine's per-slot facts to ℓ [R], the number of leading
-drafts each request verifies. Non-anticipation holds by construction: ℓ depends on confidences,
-which are computed before each draft token is sampled from its own position's distribution, never
-on the draft tokens themselves.
+A scheduler maps the round's calibrated confidences c [R, γ] (c_j: the probability that draft j
+survives given that the earlier ones did) to ℓ [R], the number of leading drafts each request
+verifies:
+- fixed(γ'): ℓ = γ' for every request;
+- threshold(t): the leading positions with c_j >= t;
+- greedy (Algorithm 1): candidates (r, j) in descending prefix survival a_{r,j} = Π_{i≤j} c_{r,i},
+  admitted while the expected throughput τ·SPS(B) improves, stopping at the first step that does
+  not; synchronous: the host reads B and dispatches the verification for the bucket B needs;
+- async (§5.2): the host picks the verification bucket from earlier rounds' survival estimates by a
+  global search over the profiled buckets (`choose_bucket`); on the device the bucket is filled by
+  the candidates with the highest current a_{r,j} beside every request's anchor (`admit_first`).
+
+Non-anticipation (Appendix A). c_j depends on the draft d_{j-1} (the Markov embedding), so ℓ does
+depend on drafts; what makes it lossless is that the decision to verify d_j never depends on d_j or
+on anything sampled after it. threshold stops at the first low c_j, and c_1..c_j are known before d_j
+is sampled. greedy and the on-device fill walk the candidates in descending a_{r,j}; since a_{r,j}
+never rises along j, no candidate that depends on d_j (a_{r,j+1}, ...) ranks before d_j, and the
+walk's stop is decided by the candidates before the one it stops at. The async bucket comes from
+rounds already committed. A search that looked past a candidate (a global argmax over all prefixes
+of the current round) would let d_j's successors decide whether d_j is verified, and biases the
+output: `tests/test_non_anticipation.py` shows both.
 """
 
 from __future__ import annotations
@@ -14,21 +30,37 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+KINDS = ("fixed", "threshold", "greedy", "async")
 
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    """Static description of a scheduler (hashable: it is a static argument of the jitted round)."""
+    """Static description of a scheduler (hashable: it is a static argument of the jitted rounds)."""
 
-    kind: Literal["fixed", "threshold"] = "fixed"
+    kind: Literal["fixed", "threshold", "greedy", "async"] = "async"
     verify_len: int = 0  # fixed(ℓ); 0 = the block size γ
     threshold: float = 0.5  # threshold(t)
+    bucket_fill: bool = False  # greedy: pad up to the bucket with the next candidates
 
     def max_len(self, block_size: int) -> int:
         """Most drafts one request may verify (what the verification bucket must hold)."""
         if self.kind == "fixed":
             return min(self.verify_len or block_size, block_size)
         return block_size
+
+    @property
+    def load_aware(self) -> bool:
+        """Whether the scheduler needs the profiled round times (SPS)."""
+        return self.kind in ("greedy", "async")
+
+    def describe(self, block_size: int) -> str:
+        if self.kind == "fixed":
+            return f"fixed({self.max_len(block_size)})"
+        if self.kind == "threshold":
+            return f"threshold({self.threshold})"
+        return self.kind + (" + bucket fill" if self.bucket_fill else "")
 
 
 def survival(confidence: jax.Array) -> jax.Array:
@@ -47,7 +79,76 @@ def threshold(confidence: jax.Array, t: float) -> jax.Array:
 
 
 def schedule(cfg: SchedulerConfig, confidence: jax.Array) -> jax.Array:
-    """ℓ [R] in 0..γ for every request (the engine clips it to each slot's room)."""
+    """ℓ [R] in 0..γ for the per-request schedulers (the engine clips it to each slot's room)."""
     if cfg.kind == "fixed":
         return fixed(confidence, cfg.verify_len)
-    return threshold(confidence, cfg.threshold)
+    if cfg.kind == "threshold":
+        return threshold(confidence, cfg.threshold)
+    raise ValueError(f"{cfg.kind} is a load-aware scheduler; use candidate_order")
+
+
+# ----------------------------------------------------------------------------- on the device
+
+
+def candidate_order(a: jax.Array, room: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Candidates (r, j) in admission order: descending survival, ties to lower j, then lower r.
+
+    a [R, γ] prefix survival, room [R] the most drafts each row may verify (0 for empty slots).
+    Returns (order [R·γ] of flat j-major indices j·R + r, the survival of each in that order, -1
+    for candidates past a row's room, which sort last).
+    """
+    R, gamma = a.shape
+    valid = jnp.arange(gamma)[:, None] < room[None, :]  # [γ, R]
+    flat = jnp.where(valid, a.T, -1.0).reshape(-1)
+    order = jnp.argsort(-flat, stable=True)
+    return order, flat[order]
+
+
+def admit_first(order: jax.Array, a_sorted: jax.Array, count: jax.Array, R: int) -> jax.Array:
+    """ℓ [R]: admits the first `count` valid candidates of `order`. Because a_{r,j} never rises
+    along j, each row's admitted drafts are a prefix."""
+    gamma = order.shape[0] // R
+    take = (jnp.arange(order.shape[0]) < count) & (a_sorted >= 0)
+    admitted = jnp.zeros(order.shape, bool).at[order].set(take).reshape(gamma, R)
+    return jnp.sum(admitted, axis=0).astype(jnp.int32)
+
+
+def greedy_count(a_sorted: jax.Array, num_active: jax.Array, sps: jax.Array) -> jax.Array:
+    """Algorithm 1's admitted count m: walk the candidates, B = n + i, τ* = n + Σ a, and stop at
+    the first step where Θ = τ*·SPS(B) does not improve. sps [B_max + 1]: steps per second for a
+    verification of B tokens (the bucketed step function; 0 past the largest bucket)."""
+    n = num_active.astype(jnp.float32)
+    steps = jnp.arange(a_sorted.shape[0]) + 1
+    B = jnp.minimum(num_active + steps, sps.shape[0] - 1)
+    tau = n + jnp.cumsum(jnp.maximum(a_sorted, 0.0))
+    theta = tau * sps[B]
+    before = jnp.concatenate([(n * sps[jnp.minimum(num_active, sps.shape[0] - 1)])[None], theta[:-1]])
+    improves = (theta > before) & (a_sorted > 0)
+    return jnp.sum(jnp.cumprod(improves.astype(jnp.int32))).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- on the host
+
+
+def choose_bucket(estimates: np.ndarray, num_live: int, spec_seconds: dict[int, float],
+                  plain_seconds: dict[int, float]) -> tuple[str, int]:
+    """The async scheduler's budget: ("plain" | "spec", bucket) maximising expected tokens per
+    second, searched over every profiled bucket (no early stop, so it can jump across SPS cliffs).
+
+    estimates [n, γ]: survival estimates a_{r,j} of the live requests from earlier rounds. A spec
+    bucket F verifies the F - n best candidates beside the n anchors: τ = n + (sum of the F - n
+    largest estimates); a plain round (no proposal) commits n tokens.
+    """
+    pool = np.sort(np.asarray(estimates, np.float64).reshape(-1))[::-1]
+    gain = np.concatenate([[0.0], np.cumsum(np.clip(pool, 0.0, 1.0))])
+    best = ("spec", max(spec_seconds), -1.0)
+    if plain_seconds:  # empty: a proposal is required
+        plain_F = min(F for F in plain_seconds if F >= num_live)
+        best = ("plain", plain_F, num_live / plain_seconds[plain_F])
+    for F, seconds in sorted(spec_seconds.items()):
+        if F <= num_live:
+            continue
+        theta = (num_live + gain[min(F - num_live, len(pool))]) / seconds
+        if theta > best[2]:
+            best = ("spec", F, theta)
+    return best[0], best[1]

@@ -8,6 +8,7 @@ compared with the target's and a mismatch is an error (or a warning when asked).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from pathlib import Path
@@ -17,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dspark_jax.config import DrafterConfig, TargetConfig, from_dict
-from dspark_jax.errors import CheckpointError, ConfigError
+from dspark_jax.errors import CheckpointError, ConfigError, DSparkError
 from dspark_jax.formats.hf_checkpoint import (
     TensorMap,
     _identity,
@@ -179,3 +180,30 @@ def save_drafter(dparams, tcfg: TargetConfig, dcfg: DrafterConfig, target_params
         hf.update(dtype=dtype, torch_dtype=dtype)
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return out
+
+
+def load_pair(target_dir: str | Path, drafter_dir: str | Path | None, mesh: Mesh | None = None):
+    """(tcfg, target params, dcfg | None, drafter params | None) on `mesh`: a Hugging Face target
+    read with the tapped layers and mask token the drafter names (checked against the target
+    before any weight is read), and the drafter; `drafter_dir` None: the target alone."""
+    from dspark_jax.formats import hf_checkpoint
+
+    if drafter_dir is None:
+        tcfg, tparams = hf_checkpoint.load_target(target_dir, mesh=mesh)
+        return tcfg, tparams, None, None
+    where = Path(drafter_dir) / "config.json"
+    if not Path(drafter_dir).is_dir():
+        raise CheckpointError(f"{drafter_dir}: drafter directory not found")
+    drafter_cfg = read_json(where)
+    taps, mask = drafter_cfg.get("target_layer_ids"), drafter_cfg.get("mask_token_id")
+    if not isinstance(taps, list) or not isinstance(mask, int):
+        raise CheckpointError(f"{where}: needs target_layer_ids (list) and mask_token_id (int)")
+    base = hf_checkpoint.load_target_config(target_dir)
+    try:
+        dataclasses.replace(base, target_layer_ids=tuple(taps), mask_token_id=mask)
+    except DSparkError as e:
+        raise CheckpointError(f"{where}: does not fit the target {target_dir}: {e}") from None
+    tcfg, tparams = hf_checkpoint.load_target(target_dir, mesh=mesh, target_layer_ids=taps,
+                                              mask_token_id=mask)
+    dcfg, dparams = load_drafter(drafter_dir, tcfg, tparams, mesh=mesh)
+    return tcfg, tparams, dcfg, dparams

@@ -323,11 +323,12 @@ def draft_distribution(logits: jax.Array, temperature: jax.Array) -> jax.Array:
 
 def propose(dparams, target_params, tcfg: TargetConfig, dcfg: DrafterConfig, cache: DraftCache,
             anchor: jax.Array, anchor_pos: jax.Array, temperature: jax.Array,
-            key: jax.Array) -> Proposal:
+            keys: jax.Array) -> Proposal:
     """One block per request: draft tokens sampled left to right through the Markov head.
 
-    anchor/anchor_pos/temperature [B]: the last committed token, its position (the context cache
-    holds positions < anchor_pos) and the sampling temperature (0 = greedy).
+    anchor/anchor_pos/temperature/keys [B]: the last committed token, its position (the context
+    cache holds positions < anchor_pos), the sampling temperature (0 = greedy) and the request's
+    random key for this block.
     """
     T = dcfg.block_size
     dp = cast_compute(dparams, dcfg)
@@ -346,13 +347,13 @@ def propose(dparams, target_params, tcfg: TargetConfig, dcfg: DrafterConfig, cac
         logits = base_k if bias is None else base_k + bias
         probs = draft_distribution(logits, temperature)
         logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
-        sampled = jax.random.categorical(key_k, logp, axis=-1)
+        sampled = jax.vmap(jax.random.categorical)(key_k, logp)
         token = jnp.where(temperature <= 0, jnp.argmax(logits, -1), sampled).astype(jnp.int32)
         conf = jnp.zeros((B,), jnp.float32) if conf is None else conf
         return (token, state), (token, probs, conf)
 
-    keys = jax.random.split(key, T)
-    xs = (jnp.moveaxis(h, 1, 0), jnp.moveaxis(base, 1, 0), keys)
+    step_keys = jax.vmap(lambda k: jax.random.split(k, T))(keys)  # [B, T]
+    xs = (jnp.moveaxis(h, 1, 0), jnp.moveaxis(base, 1, 0), jnp.moveaxis(step_keys, 1, 0))
     init = (anchor.astype(jnp.int32), head_init_state(dcfg, (B,)))
     _, (tokens, probs, conf) = jax.lax.scan(step, init, xs)
     return Proposal(tokens=tokens.T, probs=jnp.moveaxis(probs, 0, 1), conf_logits=conf.T,

@@ -1,0 +1,194 @@
+"""SPS profiles (DESIGN §5): the measured seconds of one engine round per verification bucket.
+
+A profile is a small JSON table keyed by what it was measured on (target and drafter shapes, slots,
+context, device kind and count); the load-aware schedulers read steps per second, SPS(B) =
+1 / seconds of the bucket that B tokens pad up to. Two kinds of round are timed: `spec` (propose,
+fill the bucket, verify, commit) for every verification bucket, and `plain` (no proposal: anchors
+only) for every anchor bucket. `Engine.profile_rounds` measures; this module names, validates,
+stores and caches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from dspark_jax.errors import DSparkError
+
+FORMAT, VERSION = "dspark-sps", 1
+# What a profile must match to be used: the rest of `measured_on` is informative.
+MATCH_KEYS = ("target", "drafter", "slots", "max_len", "device_kind", "devices")
+
+
+class ProfileError(DSparkError):
+    """An SPS profile that does not fit this engine."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SpsProfile:
+    measured_on: dict
+    spec: dict[int, float]  # verification bucket F -> seconds per round
+    plain: dict[int, float]  # anchor bucket F -> seconds per round (no proposal)
+    repeats: int = 0
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, "measured_on": self.measured_on,
+                "repeats": self.repeats,
+                "seconds": {"spec": {str(F): t for F, t in sorted(self.spec.items())},
+                            "plain": {str(F): t for F, t in sorted(self.plain.items())}}}
+
+    def sps_table(self, largest: int) -> list[float]:
+        """SPS(B) for B = 0..largest: 1 / seconds of the smallest spec bucket >= B, 0 past the
+        largest one (a verification that does not fit never improves throughput)."""
+        buckets = sorted(self.spec)
+        table = []
+        for B in range(largest + 1):
+            F = next((F for F in buckets if F >= B), None)
+            table.append(0.0 if F is None else 1.0 / self.spec[F])
+        return table
+
+
+def measured_on(tcfg, dcfg, slots: int, max_len: int, context: int, mesh_shape: dict | None
+                ) -> dict:
+    """The key a profile is stored under: model shapes, slots, context, device."""
+    shapes = lambda cfg: None if cfg is None else {  # noqa: E731
+        k: v for k, v in sorted(dataclasses.asdict(cfg).items())
+        if isinstance(v, (int, float, str, bool, list, tuple))}
+    device = jax.devices()[0]
+    return {"target": shapes(tcfg), "drafter": shapes(dcfg), "slots": slots, "max_len": max_len,
+            "context": context, "device_kind": device.device_kind, "platform": device.platform,
+            "devices": len(jax.devices()), "mesh": mesh_shape, "jax": jax.__version__}
+
+
+def default_context(engine) -> int:
+    """Cached positions per slot a start-up profile is measured at: half the context, leaving
+    room for the timed rounds."""
+    return max(1, min(engine.S // 2, engine.S - 2 - 16 * engine.W))
+
+
+def engine_key(engine, context: int | None = None) -> dict:
+    mesh = None if engine.mesh is None else dict(engine.mesh.shape)
+    return measured_on(engine.tcfg, engine.dcfg, engine.R, engine.S,
+                       default_context(engine) if context is None else context, mesh)
+
+
+def measure(engine, repeats: int = 12, trials: int = 3, context: int | None = None) -> SpsProfile:
+    """Times the engine's spec round (propose, fill, verify, commit) for every verification bucket
+    and its plain round for every anchor bucket, on all slots filled with `context` cached
+    positions: per trial, two untimed rounds then `repeats` back-to-back ones; the median over
+    trials of the mean round time. Leaves the engine's slots empty."""
+    from dspark_jax.decoding.engine import Request  # the engine imports this module
+
+    context = default_context(engine) if context is None else context
+    if context < 1 or context + (repeats + 2) * engine.W >= engine.S:
+        raise ProfileError(f"profile context {context}: needs >= 1 and room for {repeats + 2} "
+                           f"rounds of {engine.W} tokens within {engine.S} positions")
+    rng = np.random.default_rng(0)
+    fillers = [(slot, Request(id=f"profile-{slot}", max_new_tokens=10 ** 9, prompt_ids=tuple(
+        rng.integers(0, engine.tcfg.vocab_size, context).tolist()))) for slot in range(engine.R)]
+    seconds: dict[str, dict[int, float]] = {"spec": {}, "plain": {}}
+    for kind, program, buckets in (("spec", "topk", engine.spec_buckets),
+                                   ("plain", "plain", engine.plain_buckets)):
+        for F in buckets:
+            means = []
+            for _ in range(trials):
+                engine.reset()
+                for chunk in engine.prefill_chunks(fillers):
+                    engine.prefill(chunk)
+                for _ in range(2):
+                    engine.run_round((program, F))
+                jax.block_until_ready(engine.state)
+                t0 = time.perf_counter()
+                for _ in range(repeats):
+                    out = engine.run_round((program, F))
+                jax.block_until_ready(out)
+                means.append((time.perf_counter() - t0) / repeats)
+            seconds[kind][F] = float(np.median(means))
+    engine.reset()
+    return SpsProfile(measured_on=engine_key(engine, context), spec=seconds["spec"],
+                      plain=seconds["plain"], repeats=repeats)
+
+
+def save(profile: SpsProfile, path: str | os.PathLike) -> Path:
+    """Writes the profile as JSON (atomically: a temporary file renamed into place)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(profile.to_json(), indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def load(path: str | os.PathLike) -> SpsProfile:
+    """Reads a profile, checking its format and that every time is a positive number."""
+    path = Path(path)
+    if not path.is_file():
+        raise ProfileError(f"{path}: SPS profile not found")
+    try:
+        obj = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise ProfileError(f"{path}: not an SPS profile (expected \"format\": \"{FORMAT}\"; "
+                           "write one with python -m serve.profile)")
+    if obj.get("version") != VERSION:
+        raise ProfileError(f"{path}: profile version {obj.get('version')!r}, expected {VERSION}")
+    seconds = obj.get("seconds")
+    if not isinstance(seconds, dict) or not isinstance(obj.get("measured_on"), dict):
+        raise ProfileError(f"{path}: needs \"measured_on\" and \"seconds\" objects")
+    tables = {}
+    for kind in ("spec", "plain"):
+        table = seconds.get(kind, {})
+        if not isinstance(table, dict):
+            raise ProfileError(f"{path}: seconds.{kind} must map bucket sizes to seconds")
+        parsed = {}
+        for F, t in table.items():
+            if not str(F).isdigit() or int(F) < 1:
+                raise ProfileError(f"{path}: seconds.{kind}: bucket {F!r} is not a positive integer")
+            if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t <= 0:
+                raise ProfileError(f"{path}: seconds.{kind}[{F}] = {t!r}: round times must be "
+                                   "positive numbers of seconds")
+            parsed[int(F)] = float(t)
+        tables[kind] = parsed
+    return SpsProfile(measured_on=obj["measured_on"], spec=tables["spec"], plain=tables["plain"],
+                      repeats=int(obj.get("repeats", 0)))
+
+
+def check(profile: SpsProfile, expected: dict, spec_buckets, plain_buckets, where: str) -> None:
+    """Raises ProfileError unless the profile was measured for this model, slots, context and
+    device, and times every bucket the engine compiles."""
+    for key in MATCH_KEYS:
+        got, want = profile.measured_on.get(key), expected.get(key)
+        if _normal(got) != _normal(want):
+            raise ProfileError(f"{where}: measured for {key} {_short(got)}; this engine has "
+                               f"{_short(want)} (profile it again with python -m serve.profile)")
+    for kind, table, buckets in (("spec", profile.spec, spec_buckets),
+                                 ("plain", profile.plain, plain_buckets)):
+        missing = sorted(set(buckets) - set(table))
+        if missing:
+            raise ProfileError(f"{where}: no {kind} round time for bucket(s) {missing}; the engine "
+                               f"compiles {sorted(buckets)}")
+
+
+def cache_path(expected: dict) -> Path:
+    """Where start-up profiles are cached: the user's cache directory, one file per key."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dspark-jax" / "sps"
+    key = json.dumps({k: expected.get(k) for k in MATCH_KEYS + ("context",)}, sort_keys=True)
+    return root / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _normal(value):
+    return json.loads(json.dumps(value, sort_keys=True))
+
+
+def _short(value) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= 120 else text[:117] + "..."

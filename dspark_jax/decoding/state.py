@@ -1,0 +1,116 @@
+"""The engine's static shape and its device state (DESIGN §7).
+
+`EngineShape` is everything static (configs, slot count, context, the scheduler, calibration); it is
+hashable, so each device program is a `jax.jit` of a pure function with the shape bound. The state
+is a pytree: per-slot arrays, the target KV cache, the drafter's context cache and the base key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dspark_jax.config import DrafterConfig, TargetConfig
+from dspark_jax.decoding.acceptance import accept
+from dspark_jax.decoding.schedulers import SchedulerConfig
+from dspark_jax.models.drafter import DraftCache
+from dspark_jax.models.target import KVCache
+from dspark_jax.sharding import logical_to_spec
+
+RUNNING, STOP, LENGTH, CONTEXT = 0, 1, 2, 3
+FINISH_REASONS = {STOP: "stop", LENGTH: "length", CONTEXT: "context"}
+NO_STOP = -1  # padding of the stop-id table
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineShape:
+    """What every program is compiled for; per-request values are arrays in the state instead."""
+
+    tcfg: TargetConfig
+    dcfg: DrafterConfig | None  # None: plain target decoding
+    slots: int  # R
+    max_len: int  # S, context positions per slot
+    max_stop_ids: int  # NS
+    scheduler: SchedulerConfig
+    sts: tuple[float, ...] | None = None  # calibration temperatures per block position
+    acceptance: Callable = accept  # the rule; replaceable only to test that tests can fail
+
+    @property
+    def gamma(self) -> int:
+        return self.dcfg.block_size if self.dcfg else 0
+
+    @property
+    def width(self) -> int:
+        """W = γ + 1: the most tokens one request commits in a round."""
+        return self.gamma + 1
+
+    @property
+    def max_verify(self) -> int:
+        """The most drafts one request verifies in a round."""
+        return self.scheduler.max_len(self.gamma) if self.dcfg else 0
+
+
+@struct.dataclass
+class Slots:
+    """Per-slot decoding state; every field is [R] (stop_ids [R, NS])."""
+
+    active: jax.Array  # bool
+    length: jax.Array  # int32 n: positions 0..n-1 are in the caches; the anchor sits at n
+    anchor: jax.Array  # int32 last committed token, not yet run through the target
+    generated: jax.Array  # int32 output tokens so far
+    max_new: jax.Array  # int32 budget
+    temperature: jax.Array  # float32, 0 = greedy
+    top_p: jax.Array  # float32
+    top_k: jax.Array  # int32, 0 = off
+    seed: jax.Array  # uint32: the request's random stream (sampling.row_keys)
+    stop_ids: jax.Array  # int32 [R, NS], NO_STOP padded
+
+
+@struct.dataclass
+class EngineState:
+    slots: Slots
+    target_cache: KVCache
+    draft_cache: DraftCache | None
+    key: jax.Array  # the engine's base key; never advanced (streams are per request and position)
+
+
+@struct.dataclass
+class RoundOutput:
+    tokens: jax.Array  # [R, W] committed tokens (first `count` valid)
+    count: jax.Array  # [R] tokens committed this round (bonus included, after stop/budget cuts)
+    verified: jax.Array  # [R] ℓ: drafts verified
+    accepted: jax.Array  # [R] k: drafts accepted (before cuts)
+    finish: jax.Array  # [R] RUNNING or a finish code
+    was_active: jax.Array  # [R]
+    conf_logits: jax.Array  # [R, γ] raw confidence logits of the round's block ([R, 0]: none)
+    survival: jax.Array  # [R, γ] calibrated prefix survival a_j ([R, 0]: no proposal)
+
+
+def init_state(shape: EngineShape, seed: int, mesh: Mesh | None = None) -> EngineState:
+    """Empty slots and zeroed caches; on `mesh`, requests over (data, fsdp), KV heads over tensor
+    and the small per-slot arrays replicated."""
+    R, NS = shape.slots, shape.max_stop_ids
+    slots = Slots(active=np.zeros(R, bool), length=np.zeros(R, np.int32),
+                  anchor=np.zeros(R, np.int32), generated=np.zeros(R, np.int32),
+                  max_new=np.zeros(R, np.int32), temperature=np.zeros(R, np.float32),
+                  top_p=np.ones(R, np.float32), top_k=np.zeros(R, np.int32),
+                  seed=np.zeros(R, np.uint32), stop_ids=np.full((R, NS), NO_STOP, np.int32))
+    draft = (DraftCache.create(shape.tcfg, shape.dcfg, R, shape.max_len)
+             if shape.dcfg else None)
+    state = EngineState(slots=slots, target_cache=KVCache.create(shape.tcfg, R, shape.max_len),
+                        draft_cache=draft, key=jax.random.key(seed))
+    if mesh is None:
+        return jax.tree.map(jnp.asarray, state)
+    cache = NamedSharding(mesh, logical_to_spec(
+        ("layers", "batch", "cache_seq", "kv_heads", "head_dim")))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    shard = jax.tree.map(lambda _: replicated, state)
+    shard = shard.replace(target_cache=KVCache(k=cache, v=cache),
+                          draft_cache=None if draft is None else DraftCache(k=cache, v=cache))
+    return jax.device_put(state, shard)

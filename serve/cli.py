@@ -1,0 +1,136 @@
+"""What the decoding commands share: engine flags and their checks, loading the pair with its
+calibration, reading a prompt file into requests line by line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dspark_jax.errors import DSparkError
+
+SCHEDULERS = ("async", "greedy", "fixed", "threshold")
+
+
+def add_engine_flags(ap: argparse.ArgumentParser, *, slots: int = 8) -> None:
+    """Model, engine-shape and scheduler flags, shared by serve.decode, serve.profile, serve.bench
+    and train.calibrate."""
+    ap.add_argument("--target", required=True, help="Hugging Face Qwen3 directory")
+    ap.add_argument("--slots", type=int, default=slots, help="concurrent requests (R)")
+    ap.add_argument("--max-len", type=int, default=0,
+                    help="context positions per slot (default: min(2048, the target's maximum))")
+    ap.add_argument("--prefill-buckets", default="", help="comma-separated prompt-length buckets")
+    ap.add_argument("--data-parallel", type=int, default=1, help="mesh axis for requests")
+    ap.add_argument("--tensor-parallel", type=int, default=1, help="mesh axis for weights/KV heads")
+    ap.add_argument("--seed", type=int, default=0)
+
+
+def add_scheduler_flags(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--scheduler", choices=SCHEDULERS, default="async",
+                    help="async (default): bucket from earlier rounds' confidences and the SPS "
+                         "profile, filled on the device; greedy: Algorithm 1, synchronous; "
+                         "fixed(--verify-len); threshold(--threshold)")
+    ap.add_argument("--verify-len", type=int, default=0, help="fixed(ℓ); 0 = the block size")
+    ap.add_argument("--threshold", type=float, default=0.5, help="threshold(t) on confidences")
+    ap.add_argument("--bucket-fill", action="store_true",
+                    help="greedy: pad the verification bucket with the next candidates")
+    ap.add_argument("--sts", default="",
+                    help="calibration temperatures (sts.json); default: the drafter directory's "
+                         "sts.json when present; 'none': raw confidences")
+    ap.add_argument("--sps", default="",
+                    help="SPS profile (serve.profile); default: a cached start-up profile")
+
+
+def engine_flag_problems(args) -> list[str]:
+    """Flag errors (one line each), found before anything is loaded."""
+    problems = []
+    if args.slots < 1:
+        problems.append(f"--slots {args.slots}: must be >= 1")
+    if args.data_parallel < 1 or args.tensor_parallel < 1:
+        problems.append("--data-parallel and --tensor-parallel must be >= 1")
+    if args.max_len < 0:
+        problems.append(f"--max-len {args.max_len}: must be >= 1 (or 0 for the default)")
+    try:
+        args.prefill_buckets = tuple(int(b) for b in args.prefill_buckets.split(",") if b.strip())
+        if any(b < 1 for b in args.prefill_buckets):
+            raise ValueError
+    except ValueError:
+        problems.append(f"--prefill-buckets {args.prefill_buckets!r}: expected positive integers "
+                        "separated by commas, e.g. 64,256,1024")
+    if hasattr(args, "threshold") and not 0 <= args.threshold <= 1:
+        problems.append(f"--threshold {args.threshold}: must be in [0, 1]")
+    if getattr(args, "verify_len", 0) < 0:
+        problems.append(f"--verify-len {args.verify_len}: must be >= 0")
+    if getattr(args, "bucket_fill", False) and args.scheduler != "greedy":
+        problems.append("--bucket-fill applies to --scheduler greedy only")
+    return problems
+
+
+def make_mesh(args):
+    from dspark_jax.config import MeshConfig
+    from dspark_jax.sharding import make_mesh as build
+
+    return build(MeshConfig(data=args.data_parallel, fsdp=1, tensor=args.tensor_parallel))
+
+
+def load_models(args, mesh):
+    """(tcfg, target params, dcfg | None, drafter params | None, calibration temperatures | None,
+    where the calibration came from)."""
+    from dspark_jax.decoding.calibration import load_sts
+    from dspark_jax.formats.deepspec import load_pair
+
+    drafter = None if args.drafter.lower() == "none" else args.drafter
+    tcfg, tparams, dcfg, dparams = load_pair(args.target, drafter, mesh)
+    if dcfg is None:
+        return tcfg, tparams, None, None, None, ""
+    if getattr(args, "verify_len", 0) > dcfg.block_size:
+        raise DSparkError(f"--verify-len {args.verify_len} exceeds the drafter's block size "
+                          f"{dcfg.block_size}")
+    sts_arg = getattr(args, "sts", "none")
+    if sts_arg.lower() == "none":
+        return tcfg, tparams, dcfg, dparams, None, ""
+    path = Path(sts_arg) if sts_arg else Path(drafter) / "sts.json"
+    if not sts_arg and not path.is_file():
+        return tcfg, tparams, dcfg, dparams, None, ""
+    return tcfg, tparams, dcfg, dparams, load_sts(path, dcfg.block_size), str(path)
+
+
+def scheduler_config(args):
+    from dspark_jax.decoding.schedulers import SchedulerConfig
+
+    return SchedulerConfig(args.scheduler, args.verify_len, args.threshold, args.bucket_fill)
+
+
+def read_requests(path: Path, tokenizer, check, *, max_new_tokens: int, temperature: float = 0.0,
+                  top_p: float = 1.0, top_k: int = 0):
+    """(requests, prompt texts by id, errors): every line is handled on its own; a bad one is
+    reported on stderr with its file and line and skipped. `check(request)` raises for a request
+    the engine cannot serve."""
+    from dspark_jax.decoding.engine import Request
+    from dspark_jax.formats.tokenizer import encode_prompt_record, iter_jsonl
+
+    requests, texts, errors, seen = [], {}, [], set()
+    path = Path(path)
+    for line_no, obj in iter_jsonl(path):
+        where = f"{path}:{line_no}"
+        try:
+            if isinstance(obj, DSparkError):
+                raise obj
+            rec = encode_prompt_record(tokenizer, obj, where=where, index=len(requests) + len(errors))
+            if rec.id in seen:
+                raise DSparkError(f"{where}: duplicate id {rec.id!r}")
+            req = Request(id=rec.id, prompt_ids=rec.token_ids, max_new_tokens=max_new_tokens,
+                          temperature=temperature, top_p=top_p, top_k=top_k,
+                          stop_ids=tuple(tokenizer.stop_token_ids))
+            try:
+                check(req)
+            except DSparkError as e:
+                raise DSparkError(f"{where}: {e}") from None
+        except DSparkError as e:
+            errors.append(str(e))
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        seen.add(rec.id)
+        texts[rec.id] = rec.prompt_text
+        requests.append(req)
+    return requests, texts, errors

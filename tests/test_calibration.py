@@ -1,0 +1,245 @@
+"""Sequential Temperature Scaling: metrics against scipy and by hand, recovery of known temperatures
+on a simulated accept chain, the calibration file's errors, and the reliability diagram."""
+
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+from scipy.stats import mannwhitneyu
+
+from dspark_jax.decoding.calibration import (
+    CalibrationError,
+    auc,
+    brier,
+    ece,
+    fit_sts,
+    load_sts,
+    observations,
+    position_report,
+    reliability_diagram,
+    save_sts,
+    survival,
+)
+
+T_STAR = np.array([2.0, 0.7, 1.5, 3.0])
+
+
+def simulate(rng, n, temperatures=T_STAR, short_share=0.2, max_verified=None):
+    """Rounds of a drafter whose true conditional acceptance is σ(z_j / T*_j).
+    Returns z [n, γ], ℓ [n], k [n]; a `short_share` of rounds verify fewer than γ drafts."""
+    gamma = len(temperatures)
+    z = rng.normal(1.5, 2.0, (n, gamma))
+    ok = rng.random((n, gamma)) < 1.0 / (1.0 + np.exp(-z / temperatures))
+    leading = np.cumprod(ok, axis=1).sum(axis=1)  # accepted until the first rejection
+    verified = np.full(n, gamma if max_verified is None else max_verified)
+    short = rng.random(n) < short_share
+    verified[short] = rng.integers(0, verified[short])
+    verified = np.minimum(verified, gamma)
+    return z, verified, np.minimum(leading, verified)
+
+
+# --- metrics ---------------------------------------------------------------------------------
+
+
+def test_ece_calibrated_vs_overconfident():
+    rng = np.random.default_rng(0)
+    scores = rng.random(200_000)
+    assert ece(scores, rng.random(scores.size) < scores) < 0.005
+    z = rng.normal(0.0, 3.0, 200_000)
+    outcomes = rng.random(z.size) < 1.0 / (1.0 + np.exp(-z / 2.0))
+    assert ece(1.0 / (1.0 + np.exp(-z)), outcomes) > 0.03
+
+
+def test_ece_by_hand():
+    # Bins 0, 1 and 9 (1.0 joins the last bin): (0.05 + 0.15 + 2 * |0.975 - 1|) / 4.
+    assert ece([0.05, 0.15, 1.0, 0.95], [0, 0, 1, 1]) == pytest.approx(0.0625)
+    assert ece([0.3, 0.7], [1, 0], bins=1) == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="no scores"):
+        ece([], [])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_auc_matches_mann_whitney_with_ties(seed):
+    rng = np.random.default_rng(seed)
+    scores = np.round(rng.random(500), 1)  # eleven distinct values: many ties
+    outcomes = rng.random(500) < scores
+    pos, neg = scores[outcomes], scores[~outcomes]
+    expected = mannwhitneyu(pos, neg).statistic / (pos.size * neg.size)
+    assert auc(scores, outcomes) == pytest.approx(expected, abs=1e-12)
+
+
+def test_auc_by_hand_and_one_class():
+    assert auc([0.1, 0.4, 0.4, 0.9], [0, 0, 1, 1]) == pytest.approx(0.875)  # one tie counted half
+    assert math.isnan(auc([0.2, 0.8], [1, 1]))
+    assert math.isnan(auc([0.2, 0.8], [0, 0]))
+
+
+def test_brier():
+    assert brier([0.0, 0.5, 1.0], [0, 1, 1]) == pytest.approx(0.25 / 3)
+
+
+# --- survival and observations -------------------------------------------------------------------
+
+
+def test_survival_matches_cumprod_and_is_stable():
+    rng = np.random.default_rng(1)
+    z = rng.normal(0.0, 2.0, (50, 5))
+    t = np.array([0.5, 1.0, 2.0, 3.0, 0.8])
+    np.testing.assert_allclose(survival(z, t), np.cumprod(1.0 / (1.0 + np.exp(-z / t)), axis=-1),
+                               rtol=1e-12)
+    with np.errstate(over="raise", invalid="raise", divide="raise"):  # underflow to 0 is fine
+        extreme = survival(np.array([[-2000.0, 3.0], [2000.0, 2000.0]]), [0.05, 1.0])
+    assert extreme.dtype == np.float64
+    np.testing.assert_allclose(extreme, [[0.0, 0.0], [1.0, 1.0]])
+
+
+def test_observations():
+    observed, outcome = observations(np.array([0, 2, 3]), np.array([0, 1, 3]), gamma=3)
+    np.testing.assert_array_equal(observed, [[0, 0, 0], [1, 1, 0], [1, 1, 1]])
+    np.testing.assert_array_equal(outcome, [[0, 0, 0], [1, 0, 0], [1, 1, 1]])
+
+
+# --- fitting ------------------------------------------------------------------------------------
+
+
+def test_fit_sts_recovers_known_temperatures():
+    rng = np.random.default_rng(0)
+    fitted = fit_sts(*simulate(rng, 60_000))
+    np.testing.assert_allclose(fitted, T_STAR, rtol=0.15)
+
+    held_out = simulate(rng, 30_000)
+    report = position_report(*held_out, fitted)
+    assert report["n"][0] == 30_000 - np.sum(held_out[1] == 0)
+    assert report["mean_ece_after"] < 0.015
+    assert report["mean_ece_after"] < 0.3 * report["mean_ece_before"]
+    assert all(a < b for a, b in zip(report["ece_after"], report["ece_before"]))
+    assert all(a < b for a, b in zip(report["brier"], report["brier_before"]))
+    # Position 1 is one monotone map: the ranking is identical. Later positions multiply factors
+    # scaled differently, so the ranking moves a little, here towards the true probabilities'.
+    assert report["auc"][0] == pytest.approx(report["auc_before"][0], abs=1e-12)
+    oracle = position_report(*held_out, T_STAR)
+    for after, before, best in zip(report["auc"], report["auc_before"], oracle["auc"]):
+        assert abs(after - before) < 0.02
+        assert after == pytest.approx(best, abs=0.002)
+
+
+def test_unobserved_position_keeps_identity():
+    rng = np.random.default_rng(2)
+    z, verified, accepted = simulate(rng, 5_000, max_verified=2)  # drafts 3 and 4 never verified
+    fitted = fit_sts(z, verified, accepted)
+    assert fitted[2] == 1.0 and fitted[3] == 1.0
+    assert fitted[0] != 1.0
+    report = position_report(z, verified, accepted, fitted)
+    assert report["n"][2:] == [0, 0]
+    for key in ("ece_before", "ece_after", "auc_before", "auc", "brier", "brier_before", "accept_rate"):
+        assert report[key][2:] == [None, None], key
+    assert report["mean_ece_after"] == pytest.approx(np.mean(report["ece_after"][:2]))
+
+
+def test_ties_go_to_identity():
+    # σ(0 / T) = 1/2 for every T: every grid point has the same ECE.
+    z = np.zeros((100, 2))
+    fitted = fit_sts(z, np.full(100, 2), np.arange(100) % 3)
+    np.testing.assert_array_equal(fitted, [1.0, 1.0])
+
+
+@pytest.mark.parametrize("verified, accepted, match", [
+    ([2, 5], [0, 0], r"round 1: verified ℓ=5, accepted k=0; expected 0 <= k <= ℓ <= γ=3"),
+    ([2, 1], [0, 2], r"round 1: verified ℓ=1, accepted k=2"),
+    ([2, 1, 0], [0, 0, 0], r"2 rounds of logits but verified has shape \(3,\)"),
+])
+def test_fit_sts_rejects_bad_records(verified, accepted, match):
+    with pytest.raises(CalibrationError, match=match):
+        fit_sts(np.zeros((2, 3)), np.array(verified), np.array(accepted))
+
+
+def test_fit_sts_rejects_bad_grid_and_logits():
+    with pytest.raises(CalibrationError, match="grid must be finite numbers > 0"):
+        fit_sts(np.zeros((2, 3)), np.array([1, 1]), np.array([0, 1]), grid=[0.5, 0.0])
+    with pytest.raises(CalibrationError, match="round 1: confidence logits are not finite"):
+        fit_sts(np.array([[0.0], [np.nan]]), np.array([1, 1]), np.array([0, 1]))
+    with pytest.raises(CalibrationError, match=r"\[rounds, γ\] with γ >= 1; got shape \(2,\)"):
+        fit_sts(np.zeros(2), np.array([1, 1]), np.array([0, 1]))
+
+
+# --- the calibration file ---------------------------------------------------------------------
+
+
+def test_save_load_round_trip(tmp_path):
+    path = save_sts(tmp_path / "sts.json", np.array([2.0, 0.7, 1.5, 3.0]), drafter="step_1000",
+                    ece_after=[0.01, 0.02])
+    data = json.loads(path.read_text())
+    assert data["format"] == "dspark-sts" and data["version"] == 1 and data["block_size"] == 4
+    assert data["drafter"] == "step_1000"
+    assert load_sts(path, block_size=4) == (2.0, 0.7, 1.5, 3.0)
+    save_sts(tmp_path / "again.json", load_sts(path, 4))
+    assert load_sts(tmp_path / "again.json", 4) == (2.0, 0.7, 1.5, 3.0)
+
+
+def _write(path, payload):
+    path.write_text(payload if isinstance(payload, str) else json.dumps(payload))
+    return path
+
+
+GOOD = {"format": "dspark-sts", "version": 1, "block_size": 4, "temperatures": [1.0, 2.0, 0.5, 1.5]}
+
+
+@pytest.mark.parametrize("payload, match", [
+    ('{"format": "dspark-sts",\n "temperatures": [1.0,]}', r"not valid JSON \(line 2, column"),
+    ([1.0, 2.0], r"expected a JSON object, found list"),
+    ({**GOOD, "format": None}, r"\"format\" is None; expected \"dspark-sts\""),
+    ({k: v for k, v in GOOD.items() if k != "format"},
+     r"\"format\" is missing; expected \"dspark-sts\""),
+    ({**GOOD, "format": "dflash-sts"}, r"\"format\" is 'dflash-sts'; expected \"dspark-sts\""),
+    ({**GOOD, "version": 2}, r"version 2; this build reads version 1"),
+    ({k: v for k, v in GOOD.items() if k != "temperatures"}, r"\"temperatures\" is missing"),
+    ({**GOOD, "temperatures": "1.0 2.0"}, r"\"temperatures\" must be a list of numbers; found str"),
+    ({**GOOD, "temperatures": [1.0, "2", 0.5, 1.5]}, r"temperature 2 is '2'; expected a number"),
+    ({**GOOD, "temperatures": [1.0, 2.0, True, 1.5]}, r"temperature 3 is True; expected a number"),
+    ({**GOOD, "temperatures": [1.0, 2.0, 0.5, -1.5]},
+     r"temperature 4 is -1.5; expected a finite number > 0"),
+    ({**GOOD, "temperatures": [0, 2.0, 0.5, 1.5]}, r"temperature 1 is 0; expected a finite number > 0"),
+    ('{"format": "dspark-sts", "temperatures": [1.0, NaN, 1.0, 1.0]}', r"temperature 2 is nan"),
+    ('{"format": "dspark-sts", "temperatures": [1.0, 1.0, Infinity, 1.0]}', r"temperature 3 is inf"),
+    ({**GOOD, "block_size": 5}, r"\"block_size\" is 5 but \"temperatures\" has 4 entries"),
+    ({**GOOD, "block_size": 5, "temperatures": [1.0] * 5},
+     r"5 temperatures for a drafter with block size 4; was it fitted for another drafter\?"),
+])
+def test_load_sts_errors_name_the_file_and_problem(tmp_path, payload, match):
+    path = _write(tmp_path / "sts.json", payload)
+    with pytest.raises(CalibrationError, match=f"^{re.escape(str(tmp_path / 'sts.json'))}: {match}"):
+        load_sts(path, block_size=4)
+
+
+def test_load_sts_missing_file(tmp_path):
+    missing = re.escape(str(tmp_path / "nope.json"))
+    with pytest.raises(CalibrationError, match=f"^{missing}: no such STS calibration file"):
+        load_sts(tmp_path / "nope.json", 4)
+    with pytest.raises(CalibrationError, match="no such STS calibration file"):
+        load_sts(tmp_path, 4)  # a directory is not a calibration file
+
+
+def test_save_sts_rejects_bad_temperatures_and_reserved_keys(tmp_path):
+    with pytest.raises(CalibrationError, match=r"sts.json: temperature 2 is nan; expected a finite"):
+        save_sts(tmp_path / "sts.json", [1.0, float("nan")])
+    with pytest.raises(CalibrationError, match=r"metadata may not set \['block_size'\]"):
+        save_sts(tmp_path / "sts.json", [1.0], block_size=2)
+    assert not (tmp_path / "sts.json").exists()
+
+
+# --- reliability diagram ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gamma", [4, 15])
+def test_reliability_diagram_writes_png(tmp_path, gamma):
+    rng = np.random.default_rng(gamma)
+    temperatures = np.linspace(0.7, 3.0, gamma)
+    z, verified, accepted = simulate(rng, 4_000, temperatures=temperatures, max_verified=gamma - 1)
+    fitted = fit_sts(z, verified, accepted)
+    path = reliability_diagram(z, verified, accepted, fitted, tmp_path / "reliability.png",
+                               title=f"γ={gamma}")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 10_000

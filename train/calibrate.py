@@ -1,0 +1,145 @@
+"""Calibrate a drafter's confidence head with Sequential Temperature Scaling (DESIGN §6).
+
+    python -m train.calibrate --target DIR --drafter DIR --prompts FILE [FILE ...] [--out DIR]
+        [--eval-fraction 0.3] [--temperature T] [--max-new-tokens N] [--limit N] [--slots R]
+
+Decodes the prompts with the whole block verified (fixed(γ): every position observed) at the
+serving temperature, recording each round's raw confidence logits and how many drafts survived.
+The prompts are split at random (--seed): STS is fitted on the rounds of 1 - eval-fraction of them
+and measured on the rounds of the rest. Writes into --out (default: the drafter's directory):
+  sts.json          the temperatures, which serve.decode applies from the drafter directory
+  calibration.json  per position on the held-out rounds: ece_before, ece_after, auc, brier (and
+                    their before-STS values), with mean_ece_after
+  reliability.png   reliability diagrams before and after, per position
+"""
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from dspark_jax.errors import DSparkError
+from serve import cli
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli.add_engine_flags(ap, slots=16)
+    ap.add_argument("--drafter", required=True, help="DeepSpec-format drafter directory")
+    ap.add_argument("--prompts", required=True, nargs="+", help="JSONL prompt file(s)")
+    ap.add_argument("--out", default="", help="output directory (default: the drafter's)")
+    ap.add_argument("--eval-fraction", type=float, default=0.3,
+                    help="share of the prompts held out to measure the calibration")
+    ap.add_argument("--temperature", type=float, default=0.0, help="serving temperature (0 = greedy)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--limit", type=int, default=0, help="at most this many prompts per file")
+    ap.add_argument("--bins", type=int, default=10, help="equal-width ECE bins")
+    args = ap.parse_args(argv)
+    problems = cli.engine_flag_problems(args)
+    if not 0 < args.eval_fraction < 1:
+        problems.append(f"--eval-fraction {args.eval_fraction}: must be in (0, 1)")
+    if args.temperature < 0:
+        problems.append(f"--temperature {args.temperature}: must be >= 0")
+    if args.max_new_tokens < 2:
+        problems.append(f"--max-new-tokens {args.max_new_tokens}: must be >= 2")
+    if args.limit < 0 or args.bins < 2:
+        problems.append("--limit must be >= 0 and --bins >= 2")
+    if problems:
+        ap.error("; ".join(problems))
+    return args
+
+
+def stack_rounds(results) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(z [N, γ], ℓ [N], k [N]) over every round with a proposal of the given results."""
+    z, ell, k = [], [], []
+    for res in results:
+        for logits, verified, accepted in zip(res.conf_logits, res.verified, res.drafts_accepted):
+            if logits and verified:
+                z.append(logits)
+                ell.append(verified)
+                k.append(accepted)
+    return np.asarray(z, np.float64), np.asarray(ell, np.int64), np.asarray(k, np.int64)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from dspark_jax.decoding import calibration
+    from dspark_jax.decoding.engine import Engine
+    from dspark_jax.decoding.schedulers import SchedulerConfig
+    from dspark_jax.formats.tokenizer import load_tokenizer
+
+    out_dir = Path(args.out or args.drafter)
+    try:
+        if out_dir.exists() and not out_dir.is_dir():
+            raise DSparkError(f"--out {out_dir}: exists and is not a directory")
+        for p in args.prompts:
+            if not Path(p).is_file():
+                raise DSparkError(f"{p}: prompt file not found")
+        args.sts = "none"  # the raw confidences are what gets fitted
+        tokenizer = load_tokenizer(args.target)
+        mesh = cli.make_mesh(args)
+        tcfg, tparams, dcfg, dparams, _, _ = cli.load_models(args, mesh)
+        if dcfg is None:
+            raise DSparkError("--drafter none: there is no confidence head to calibrate")
+        max_len = args.max_len or min(2048, tcfg.max_position_embeddings)
+        engine = Engine(tcfg, tparams, dcfg, dparams, slots=args.slots, max_len=max_len,
+                        scheduler=SchedulerConfig("fixed"), prefill_buckets=args.prefill_buckets,
+                        seed=args.seed, mesh=mesh)
+        requests = []
+        for path in args.prompts:
+            reqs, _, _ = cli.read_requests(Path(path), tokenizer, engine.check_request,
+                                           max_new_tokens=args.max_new_tokens,
+                                           temperature=args.temperature)
+            reqs = reqs[:args.limit] if args.limit else reqs
+            requests += [dataclasses.replace(r, id=f"{Path(path).stem}/{r.id}") for r in reqs]
+        if len(requests) < 2:
+            raise DSparkError(f"{len(requests)} usable prompts; calibration needs at least 2")
+        print(f"decoding {len(requests)} prompts with fixed({dcfg.block_size}) at temperature "
+              f"{args.temperature} ...", file=sys.stderr, flush=True)
+        results = []
+        metrics = engine.generate(requests, results.append, keep_confidences=True)
+    except DSparkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rng = np.random.default_rng(args.seed)
+    order = rng.permutation(len(results))
+    n_eval = max(1, int(round(args.eval_fraction * len(results))))
+    held = [results[i] for i in order[:n_eval]]
+    fit = [results[i] for i in order[n_eval:]]
+    z_fit, ell_fit, k_fit = stack_rounds(fit)
+    z_eval, ell_eval, k_eval = stack_rounds(held)
+    if not len(z_fit) or not len(z_eval):
+        print("error: no decoding rounds with drafts to fit or to measure on (prompts too short, or "
+              "--max-new-tokens too small)", file=sys.stderr)
+        return 2
+    temps = calibration.fit_sts(z_fit, ell_fit, k_fit, bins=args.bins)
+    report = calibration.position_report(z_eval, ell_eval, k_eval, temps, bins=args.bins)
+    info = {"drafter": str(args.drafter), "prompts": [str(p) for p in args.prompts],
+            "serving_temperature": args.temperature, "prompts_fit": len(fit), "prompts_eval": len(held),
+            "rounds_fit": int(len(z_fit)), "rounds_eval": int(len(z_eval)), "bins": args.bins,
+            "tau": metrics["tau"], "seed": args.seed}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    calibration.save_sts(out_dir / "sts.json", temps, mean_ece_after=report["mean_ece_after"], **info)
+    (out_dir / "calibration.json").write_text(json.dumps(
+        {**info, "temperatures": temps.tolist(), **report}, indent=2) + "\n")
+    calibration.reliability_diagram(z_eval, ell_eval, k_eval, temps, out_dir / "reliability.png",
+                                    bins=args.bins, title=f"{args.drafter}: held-out rounds")
+    print(f"{'j':>2} {'n':>7} {'T':>6} {'accept':>6} {'ece before':>10} {'ece after':>9} "
+          f"{'auc before':>10} {'auc after':>9} {'brier':>6}")
+    for j in range(len(temps)):
+        cells = [report[key][j] for key in ("accept_rate", "ece_before", "ece_after", "auc_before",
+                                            "auc", "brier")]
+        text = " ".join("     -" if c is None else f"{c:>{w}.4f}"
+                        for c, w in zip(cells, (6, 10, 9, 10, 9, 6)))
+        print(f"{j + 1:>2} {report['n'][j]:>7} {temps[j]:>6.3f} {text}")
+    print(f"mean ECE before {report['mean_ece_before']:.4f}, after {report['mean_ece_after']:.4f} "
+          f"({len(z_eval)} held-out rounds from {len(held)} prompts; fitted on {len(z_fit)} rounds)")
+    print(f"wrote {out_dir / 'sts.json'}, {out_dir / 'calibration.json'}, {out_dir / 'reliability.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
