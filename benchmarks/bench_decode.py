@@ -37,19 +37,15 @@ def round_split(engine):
     t_verify = median_time(lambda: verify(engine.state, engine.tparams), 20)
     t_propose = 0.0
     if engine.dcfg is not None:
+        keys = jax.random.split(jax.random.key(0), engine.R)
         prop = jax.jit(lambda st, tp, dp: propose(dp, tp, engine.tcfg, engine.dcfg, st.draft_cache,
                                                   st.slots.anchor, st.slots.length, st.slots.temperature,
-                                                  jax.random.key(0)).tokens)
+                                                  keys).tokens)
         t_propose = median_time(lambda: prop(engine.state, engine.tparams, engine.dparams), 20)
-    compiled = engine._program("round", F)
-    holder = {"state": engine.state}
-
     def one_round():
-        holder["state"], out = compiled(holder["state"], engine.tparams, engine.dparams)
-        return out.count
+        return engine.run_round(("scheduled", F))[0]
 
     t_round = median_time(one_round, 20)
-    engine.state = holder["state"]
     return t_round, t_propose, t_verify
 
 
@@ -65,16 +61,11 @@ def main():
     if not (pair / "drafter" / "config.json").is_file():
         subprocess.run([sys.executable, "-m", "train.tiny_pair", "--out", str(pair)], check=True)
 
-    import json
-
     from dspark_jax.decoding.engine import Engine, Request
     from dspark_jax.decoding.schedulers import SchedulerConfig
-    from dspark_jax.formats import deepspec, hf_checkpoint
+    from dspark_jax.formats import deepspec
     from dspark_jax.formats.tokenizer import load_prompts, load_tokenizer
-    dconf = json.loads((pair / "drafter/config.json").read_text())
-    tcfg, tparams = hf_checkpoint.load_target(pair / "target", target_layer_ids=dconf["target_layer_ids"],
-                                              mask_token_id=dconf["mask_token_id"])
-    dcfg, dparams = deepspec.load_drafter(pair / "drafter", tcfg, tparams)
+    tcfg, tparams, dcfg, dparams = deepspec.load_pair(pair / "target", pair / "drafter")
     tok = load_tokenizer(pair / "target")
     prompts = load_prompts(pair / "data/prompts.jsonl", tok)
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; tiny pair {pair}: target "

@@ -23,6 +23,8 @@ def add_engine_flags(ap: argparse.ArgumentParser, *, slots: int = 8) -> None:
     ap.add_argument("--data-parallel", type=int, default=1, help="mesh axis for requests")
     ap.add_argument("--tensor-parallel", type=int, default=1, help="mesh axis for weights/KV heads")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-compile-cache", action="store_true",
+                    help="do not use JAX's persistent compilation cache (user cache directory)")
 
 
 def add_scheduler_flags(ap: argparse.ArgumentParser) -> None:
@@ -33,7 +35,8 @@ def add_scheduler_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--verify-len", type=int, default=0, help="fixed(ℓ); 0 = the block size")
     ap.add_argument("--threshold", type=float, default=0.5, help="threshold(t) on confidences")
     ap.add_argument("--bucket-fill", action="store_true",
-                    help="greedy: pad the verification bucket with the next candidates")
+                    help="fixed, threshold, greedy: the verification bucket's padding takes the "
+                         "next drafts in survival order instead of idling")
     ap.add_argument("--sts", default="",
                     help="calibration temperatures (sts.json); default: the drafter directory's "
                          "sts.json when present; 'none': raw confidences")
@@ -61,9 +64,18 @@ def engine_flag_problems(args) -> list[str]:
         problems.append(f"--threshold {args.threshold}: must be in [0, 1]")
     if getattr(args, "verify_len", 0) < 0:
         problems.append(f"--verify-len {args.verify_len}: must be >= 0")
-    if getattr(args, "bucket_fill", False) and args.scheduler != "greedy":
-        problems.append("--bucket-fill applies to --scheduler greedy only")
+    if getattr(args, "bucket_fill", False) and args.scheduler == "async":
+        problems.append("--bucket-fill: async fills its bucket already; it applies to fixed, "
+                        "threshold and greedy")
     return problems
+
+
+def setup_jax(args) -> None:
+    """The persistent compilation cache, unless --no-compile-cache."""
+    if not args.no_compile_cache:
+        from dspark_jax import compile_cache
+
+        compile_cache.enable()
 
 
 def make_mesh(args):

@@ -69,6 +69,7 @@ def main(argv=None) -> int:
         if not Path(args.prompts).is_file():
             raise DSparkError(f"{args.prompts}: prompt file not found")
         tokenizer = load_tokenizer(args.target)
+        cli.setup_jax(args)
         mesh = cli.make_mesh(args)
         tcfg, tparams, dcfg, dparams, sts, sts_from = cli.load_models(args, mesh)
         max_len = args.max_len or min(2048, tcfg.max_position_embeddings)

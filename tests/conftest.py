@@ -124,3 +124,23 @@ def tiny_pair(tiny_target, tmp_path_factory):
     _, target_params = trainer.load_target_for(cfg, None)
     drafter = deepspec.save_drafter(params, cfg.target, cfg.drafter, target_params, root / "drafter")
     return target, root / "run", drafter
+
+
+@pytest.fixture(scope="session")
+def engine_pair(tiny_pair):
+    """(tcfg, target params, dcfg, trained drafter params, random drafter params, tokenizer) of the
+    session's tiny trained pair, loaded once."""
+    import jax
+
+    from dspark_jax.formats import hf_checkpoint
+    from dspark_jax.formats.tokenizer import load_tokenizer
+    from dspark_jax.models.drafter import drafter_spec
+    from dspark_jax.params import init_params
+    from dspark_jax.training import trainer
+
+    target, work, _ = tiny_pair
+    cfg, dparams, _ = trainer.load_drafter_params(work)
+    tcfg, tparams = hf_checkpoint.load_target(target, target_layer_ids=list(cfg.target.target_layer_ids),
+                                              mask_token_id=cfg.target.mask_token_id)
+    random = init_params(drafter_spec(tcfg, cfg.drafter), jax.random.key(7))
+    return tcfg, tparams, cfg.drafter, dparams, random, load_tokenizer(target)

@@ -9,25 +9,16 @@ import pytest
 from dspark_jax.decoding.engine import Engine, RecompileError, Request
 from dspark_jax.decoding.schedulers import SchedulerConfig
 from dspark_jax.errors import DSparkError
-from dspark_jax.formats import hf_checkpoint
-from dspark_jax.formats.tokenizer import encode_chat_prompt, load_tokenizer
+from dspark_jax.formats.tokenizer import encode_chat_prompt
 from dspark_jax.models.drafter import drafter_spec
-from dspark_jax.params import init_params
-from dspark_jax.training import trainer
 
 S = 96
 SMALL = dict(max_len=S, prefill_buckets=(32, S), max_prefill_batch=2)
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_pair):
-    """(tcfg, target params, dcfg, trained drafter params, random drafter params, tokenizer)."""
-    target, work, _ = tiny_pair
-    cfg, dparams, _ = trainer.load_drafter_params(work)
-    tcfg, tparams = hf_checkpoint.load_target(target, target_layer_ids=list(cfg.target.target_layer_ids),
-                                              mask_token_id=cfg.target.mask_token_id)
-    random = init_params(drafter_spec(tcfg, cfg.drafter), jax.random.key(7))
-    return tcfg, tparams, cfg.drafter, dparams, random, load_tokenizer(target)
+def pair(engine_pair):
+    return engine_pair
 
 
 @pytest.fixture(scope="module")
@@ -64,22 +55,23 @@ def plain_results(plain, requests):
 
 
 SCHEDULERS = [SchedulerConfig("fixed", 0), SchedulerConfig("fixed", 2), SchedulerConfig("threshold", 0, 0.2),
-              SchedulerConfig("greedy"), SchedulerConfig("greedy", bucket_fill=True), SchedulerConfig("async")]
+              SchedulerConfig("greedy"), SchedulerConfig("greedy", bucket_fill=True), SchedulerConfig("async"),
+              SchedulerConfig("threshold", 0, 0.6, bucket_fill=True)]
 
 
 def scheduler_id(s):
-    return {"fixed": f"fixed{s.verify_len}", "threshold": f"threshold{s.threshold}"}.get(
-        s.kind, s.kind + ("-fill" if s.bucket_fill else ""))
+    name = {"fixed": f"fixed{s.verify_len}", "threshold": f"threshold{s.threshold}"}.get(s.kind, s.kind)
+    return name + ("-fill" if s.bucket_fill else "")
 
 
 def cheap_spec_profile(engine):
     """A real profile object with made-up times under which verifying drafts usually pays: rounds
-    with a proposal cost 1.2 + F/40 (so the bucket chosen depends on the survival estimates),
+    with a proposal cost 1 + F/400 (so the bucket chosen depends on the survival estimates),
     rounds without one 1.0. Measured profiles would make the buckets machine-dependent."""
     from dspark_jax.decoding import profile
 
     return profile.SpsProfile(measured_on=profile.engine_key(engine),
-                              spec={F: 1.2 + F / 40 for F in engine.spec_buckets},
+                              spec={F: 1 + F / 400 for F in engine.spec_buckets},
                               plain={F: 1.0 for F in engine.plain_buckets})
 
 
@@ -203,7 +195,6 @@ def test_bad_requests(plain):
 def test_sharded_engine_matches_single_device(pair, requests, plain_results):
     """Requests over data, KV heads and weights over tensor (2 x 2 of the 8 fake devices)."""
     from dspark_jax.config import MeshConfig
-    from dspark_jax.models.drafter import drafter_spec
     from dspark_jax.models.target import target_spec
     from dspark_jax.params import shardings
     from dspark_jax.sharding import make_mesh

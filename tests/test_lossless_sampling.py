@@ -32,6 +32,7 @@ from scipy import stats
 
 from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.decoding.acceptance import Acceptance, accept, split_rows
+from dspark_jax.decoding import profile
 from dspark_jax.decoding.engine import Engine, Request
 from dspark_jax.decoding.sampling import sample
 from dspark_jax.decoding.schedulers import SchedulerConfig
@@ -172,7 +173,9 @@ MAX_LEN = 16
 N_SAMPLES = 30_000  # requests per positive case
 N_CONTROL = 4_000  # requests per negative control
 SLOTS, CONTROL_SLOTS = 8, 2
-SCHEDULERS = {"fixed": SchedulerConfig("fixed", 4), "threshold": SchedulerConfig("threshold", 0, 0.5)}
+SCHEDULERS = {"fixed": SchedulerConfig("fixed", 4), "threshold": SchedulerConfig("threshold", 0, 0.5),
+              "greedy": SchedulerConfig("greedy"), "async": SchedulerConfig("async"),
+              "threshold-fill": SchedulerConfig("threshold", 0, 0.5, bucket_fill=True)}
 
 
 def _scaled(params, scale):
@@ -217,9 +220,16 @@ def exact_joint(logits: np.ndarray, temperature: float) -> np.ndarray:
 
 def _make_engine(models, scheduler, slots, acceptance=accept):
     tp, dp = models
-    return Engine(TCFG, tp, DCFG, dp, slots=slots, max_len=MAX_LEN, scheduler=scheduler,
-                  prefill_buckets=(MAX_LEN,), max_prefill_batch=slots, seed=0,
-                  acceptance=acceptance)
+    engine = Engine(TCFG, tp, DCFG, dp, slots=slots, max_len=MAX_LEN, scheduler=scheduler,
+                    prefill_buckets=(MAX_LEN,), max_prefill_batch=slots, seed=0,
+                    acceptance=acceptance)
+    if scheduler.load_aware:
+        # Made-up round times under which the choice really varies: a proposal round costs
+        # 1 + F/400 (the best bucket depends on the survival), a round without one 0.7.
+        engine.use_profile(profile.SpsProfile(
+            measured_on=profile.engine_key(engine), spec={F: 1 + F / 400 for F in engine.spec_buckets},
+            plain={F: 0.7 for F in engine.plain_buckets}), "test")
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -250,7 +260,8 @@ def run_joint(engine, n, temperature):
     return counts.reshape(V, V, V), metrics, results
 
 
-CASES = [(1.0, "fixed"), (0.7, "fixed"), (1.0, "threshold")]
+CASES = [(1.0, "fixed"), (0.7, "fixed"), (1.0, "threshold"), (1.0, "greedy"), (0.7, "async"),
+         (1.0, "threshold-fill")]
 
 
 @pytest.mark.parametrize("temperature,kind", CASES, ids=[f"T{t}-{k}" for t, k in CASES])
@@ -267,14 +278,20 @@ def test_engine_matches_target_distribution(engines, exact_logits, temperature, 
     if kind == "fixed":
         assert m["mean_verified"] >= 1.0, m
         assert np.all(first_round == 2)  # fixed(4) clipped to the budget: t2, t3 and the bonus
-    else:  # the confidences vary: some requests verify fewer drafts than others
+    elif kind == "threshold-fill":  # the padding verifies what threshold(0.5) alone leaves out
+        assert m["mean_verified"] > 1.15, m  # threshold(0.5) alone: 1.03; all the budget allows: 1.24
+    elif kind != "async":  # the confidences vary: some requests verify fewer drafts than others
         assert 0.0 < m["mean_verified"] < engine.max_verify, m
         share = np.bincount(first_round, minlength=3) / len(first_round)
         assert np.sum(share > 0.05) >= 2, share
     assert m["compilations_after_warmup"] == 0, m
     pv, stat, bins = chi_square_p(counts, joint)
     print(f"\n[lossless] T={temperature} {kind}: p={pv:.4g} chi2={stat:.1f} bins={bins} "
-          f"acceptance={m['acceptance_rate']:.3f} mean_verified={m['mean_verified']:.3f}")
+          f"acceptance={m['acceptance_rate']:.3f} mean_verified={m['mean_verified']:.3f} "
+          f"buckets={m['buckets']}")
+    if kind == "async":  # both kinds of round, and more than one verification bucket
+        assert sum(k.startswith("plain") for k in m["buckets"]) >= 1, m["buckets"]
+        assert sum(k.startswith("spec") for k in m["buckets"]) >= 2, m["buckets"]
     assert pv > PASS_P, (pv, stat, bins)
 
 

@@ -2,6 +2,7 @@
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from dspark_jax.decoding.sampling import target_probs
 from dspark_jax.decoding.schedulers import SchedulerConfig, schedule, survival
@@ -42,3 +43,57 @@ def test_schedulers_edge_cases():
     np.testing.assert_array_equal(schedule(SchedulerConfig("fixed", 2), c), [2, 2, 2])
     assert SchedulerConfig("fixed", 9).max_len(4) == 4 and SchedulerConfig("threshold").max_len(4) == 4
     np.testing.assert_allclose(survival(c)[0], [0.9, 0.72, 0.144, 0.1296], atol=1e-6)
+
+
+def test_top_p_is_measured_on_the_renormalised_top_k_set():
+    """top-k 2 renormalises (0.5, 0.3) to (0.625, 0.375); top-p 0.6 is reached by the first token
+    alone. (Measured on the unfiltered distribution, 0.5 < 0.6 would keep both.)"""
+    out = probs([1.0, 1.0], [0.6, 0.6], [2, 0])
+    np.testing.assert_allclose(out[0], [1, 0, 0, 0], atol=1e-6)
+    np.testing.assert_allclose(out[1], [0.625, 0.375, 0, 0], atol=1e-6)  # top-p alone: {0, 1}
+
+
+def test_a_rows_distribution_does_not_depend_on_its_batch_mates():
+    """Bit for bit: an unfiltered row next to an unfiltered row, or next to rows that filter. Its
+    long tail (float32 cumulative mass reaches 1 before the last tokens) must survive."""
+    rng = np.random.default_rng(0)
+    V = 32768
+    peaked = rng.normal(0, 1, (1, V))
+    peaked[0, 7] = 30.0  # its probability rounds to 1.0 in float32; the tail is ~1e-13 each
+    logits = jnp.asarray(np.concatenate([peaked, rng.normal(0, 1, (3, V))]), jnp.float32)
+    t = jnp.ones(4, jnp.float32)
+    alone = target_probs(logits, t, jnp.ones(4), jnp.zeros(4, jnp.int32))
+    mixed = target_probs(logits, t, jnp.asarray([1.0, 0.5, 1.0, 0.9]), jnp.asarray([0, 0, 5, 0]))
+    assert np.array_equal(np.asarray(alone[0]), np.asarray(mixed[0]))
+    assert np.count_nonzero(np.asarray(mixed[0])) == np.count_nonzero(np.asarray(alone[0])) > V - 10
+    assert np.count_nonzero(np.asarray(mixed[2])) == 5
+
+
+def test_requests_validate_their_sampling_parameters():
+    from dspark_jax.decoding.engine import Request
+    from dspark_jax.errors import DSparkError
+
+    for kwargs, message in [({"top_p": 0.0}, r"top_p 0.0 must be in \(0, 1\]"),
+                            ({"top_p": 1.5}, r"top_p 1.5 must be in \(0, 1\]"),
+                            ({"temperature": float("nan")}, "temperature nan must be a finite number"),
+                            ({"temperature": -0.5}, "temperature -0.5 must be a finite number >= 0"),
+                            ({"top_k": -1}, "top_k -1 must be an integer >= 0"),
+                            ({"seed": -3}, r"seed -3 must be an integer in \[0, 2\^32\)")]:
+        with pytest.raises(DSparkError, match=f"request r7: {message}"):
+            Request(id="r7", prompt_ids=(1, 2), max_new_tokens=4, **kwargs)
+    assert Request(id="x", prompt_ids=(1,), max_new_tokens=1).stream == \
+        Request(id="x", prompt_ids=(2,), max_new_tokens=9).stream  # a stable hash of the id
+    assert Request(id="x", prompt_ids=(1,), max_new_tokens=1, seed=5).stream == 5
+
+
+def test_conditional_acceptance_divides_by_the_rounds_that_reached_the_draft():
+    """(ℓ, k) = (3, 3), (3, 1), (3, 0), (2, 2): draft 2 was reached (verified, draft 1 accepted) in
+    three rounds and accepted in two; draft 3 reached in one and accepted in it."""
+    from dspark_jax.decoding.metrics import Tally
+
+    tally = Tally(gamma=3)
+    for ell, k in [(3, 3), (3, 1), (3, 0), (2, 2)]:
+        tally.slot(committed=k + 1, verified=ell, accepted=k)
+    summary = tally.summary()
+    np.testing.assert_allclose(summary["conditional_acceptance"], [3 / 4, 2 / 3, 1 / 1])
+    assert summary["acceptance_rate"] == pytest.approx(6 / 11)

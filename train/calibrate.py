@@ -80,6 +80,7 @@ def main(argv=None) -> int:
                 raise DSparkError(f"{p}: prompt file not found")
         args.sts = "none"  # the raw confidences are what gets fitted
         tokenizer = load_tokenizer(args.target)
+        cli.setup_jax(args)
         mesh = cli.make_mesh(args)
         tcfg, tparams, dcfg, dparams, _, _ = cli.load_models(args, mesh)
         if dcfg is None:

@@ -34,7 +34,14 @@ from dspark_jax.decoding.acceptance import accept
 from dspark_jax.decoding.metrics import Tally
 from dspark_jax.decoding.policies import bucket_for, make_policy
 from dspark_jax.decoding.schedulers import SchedulerConfig
-from dspark_jax.decoding.state import FINISH_REASONS, NO_STOP, RUNNING, EngineShape, init_state
+from dspark_jax.decoding.state import (
+    FINISH_REASONS,
+    NO_STOP,
+    RUNNING,
+    EngineShape,
+    RoundOutput,
+    init_state,
+)
 from dspark_jax.errors import DSparkError
 
 
@@ -318,6 +325,12 @@ class Engine:
         if max(req.prompt_ids) >= self.tcfg.vocab_size or min(req.prompt_ids) < 0:
             raise DSparkError(f"request {req.id}: token id outside the vocabulary")
 
+    def _room(self, req: Request, generated: int) -> int:
+        """The most drafts a request can still verify, as far as the host has read (rounds in
+        flight may have used some)."""
+        return max(0, min(self.max_verify, req.max_new_tokens - max(generated, 1) - 1,
+                          self.S - len(req.prompt_ids) - max(generated, 1)))
+
     def generate(self, requests: Iterable[Request], on_result: Callable[[Result], None] = lambda r: None,
                  *, keep_confidences: bool = False) -> dict:
         """Decodes all requests with continuous batching; calls `on_result` as each finishes.
@@ -335,12 +348,14 @@ class Engine:
             self.check_request(req)
         free = list(range(self.R))[::-1]
         live: dict[int, Result] = {}  # slots the host has not seen finish (a superset of active)
+        serving: dict[int, Request] = {}
         started: dict[int, float] = {}
         events: deque = deque()  # device outputs not yet read, in dispatch order
         tally = Tally(self.gamma)
 
         def finish(slot: int, reason: str):
             res = live.pop(slot)
+            serving.pop(slot)
             res.finish_reason = reason
             tally.finished(len(res.token_ids), time.perf_counter() - started.pop(slot))
             free.append(slot)
@@ -358,7 +373,7 @@ class Engine:
                         finish(slot, FINISH_REASONS[int(codes[i])])
                 return
             round_kind, F, out = payload
-            out = jax.device_get(out)
+            out = RoundOutput.unpack(jax.device_get(out))
             tally.round(round_kind, F, int(out.was_active.sum()))
             self.policy.observe(out, list(live))
             for slot in np.flatnonzero(out.was_active):
@@ -382,13 +397,15 @@ class Engine:
                 slot, req = free.pop(), queue.popleft()
                 joiners.append((slot, req))
                 live[slot] = Result(id=req.id, token_ids=[], finish_reason="", accepted=[], verified=[])
+                serving[slot] = req
                 started[slot] = time.perf_counter()
                 self.policy.admitted(slot)
             for chunk in self.prefill_chunks(joiners):
                 events.append(("prefill", (chunk, self.prefill(chunk))))
             in_flight = 0
             if live:
-                out, round_kind, F = self.policy.dispatch(list(live))
+                out, round_kind, F = self.policy.dispatch(list(live), [
+                    self._room(serving[slot], len(res.token_ids)) for slot, res in live.items()])
                 events.append(("round", (round_kind, F, out)))
                 in_flight = 1
             self._check_guard(mark)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dspark_jax.decoding.schedulers import choose_bucket
+from dspark_jax.decoding.schedulers import BucketTable
 
 # async: a round with a proposal at least this often, so that survival estimates stay current even
 # when plain rounds win (a bounded cost: one round in PROBE_EVERY).
@@ -35,8 +35,9 @@ class Policy:
     def programs(self) -> list[tuple]:
         return [("plain", F) for F in self.engine.plain_buckets]
 
-    def dispatch(self, live: list[int]):
-        """Runs one round for the live slots; returns (output, kind, bucket)."""
+    def dispatch(self, live: list[int], rooms: list[int]):
+        """Runs one round for the live slots (with the most drafts each can still verify, as far
+        as the host knows); returns (output, kind, bucket)."""
         F = bucket_for(len(live), self.engine.plain_buckets)
         return self.engine.run_round(("plain", F)), "plain", F
 
@@ -54,7 +55,7 @@ class PerRequestPolicy(Policy):
     def programs(self):
         return [("scheduled", F) for F in self.engine.verify_buckets]
 
-    def dispatch(self, live):
+    def dispatch(self, live, rooms):
         e = self.engine
         F = bucket_for(len(live) * (1 + e.max_verify), e.verify_buckets)
         return e.run_round(("scheduled", F)), "spec", F
@@ -66,7 +67,7 @@ class GreedyPolicy(Policy):
     def programs(self):
         return [("greedy_plan",)] + [("greedy_verify", F) for F in self.engine.spec_buckets]
 
-    def dispatch(self, live):
+    def dispatch(self, live, rooms):
         e = self.engine
         plan = e.run_program(("greedy_plan",), e.sps_array)
         B = int(plan.tokens)  # the one small device-to-host read of this scheduler
@@ -76,30 +77,45 @@ class GreedyPolicy(Policy):
 
 class AsyncPolicy(Policy):
     """§5.2: the bucket for round t from survival estimates of rounds already read (t-2 and
-    earlier), searched over every profiled bucket; a plain round when that pays more."""
+    earlier), searched over every profiled bucket; a plain round when that pays more.
+
+    Each live request's estimate is the survival its last read proposal predicted, rescaled per
+    block position by how often such predictions came true lately (observed / predicted prefix
+    survival over the verified drafts, decayed by DECAY a round). The budget then follows the
+    tokens rounds really commit even when the confidence head is miscalibrated; the ranking
+    inside a round still uses the round's own (calibrated) survival. Everything here comes from
+    rounds already committed, so it cannot bias the output.
+    """
+
+    DECAY = 0.98
 
     def __init__(self, engine):
         super().__init__(engine)
         gamma = engine.gamma
-        self.estimates: dict[int, np.ndarray] = {}
-        self.prior = np.ones(gamma)  # optimistic until the first proposal is read: explore
-        self.seen = False
+        self.estimates = np.ones((engine.R, gamma))  # per slot; optimistic before any is read
+        self.prior = np.ones(gamma)  # a new request's estimate: the last round's mean
+        self.predicted = np.zeros(gamma)  # decayed Σ a_j over verified drafts j
+        self.observed = np.zeros(gamma)  # decayed Σ 1[draft j survived] over the same
         self.since_spec = 0
-        self.seconds = None  # (profile, spec seconds, plain seconds) of the compiled buckets
+        self.table = None  # (profile, BucketTable of the compiled buckets)
 
     def programs(self):
         return super().programs() + [("topk", F) for F in self.engine.spec_buckets]
 
-    def dispatch(self, live):
+    def correction(self) -> np.ndarray:
+        """[γ] observed / predicted prefix survival (1 where nothing was verified yet)."""
+        return np.where(self.predicted > 1e-3, self.observed / np.maximum(self.predicted, 1e-3), 1.0)
+
+    def dispatch(self, live, rooms):
         e = self.engine
-        if self.seconds is None or self.seconds[0] is not e.profile:
-            self.seconds = (e.profile, {F: e.profile.spec[F] for F in e.spec_buckets},
-                            {F: e.profile.plain[F] for F in e.plain_buckets})
-        _, spec, plain = self.seconds
-        est = np.stack([self.estimates.get(slot, self.prior) for slot in live])
-        if self.since_spec >= PROBE_EVERY:
-            plain = {}  # force a proposal, so that the estimates stay current
-        kind, F = choose_bucket(est, len(live), spec, plain)
+        if self.table is None or self.table[0] is not e.profile:
+            self.table = (e.profile, BucketTable({F: e.profile.spec[F] for F in e.spec_buckets},
+                                                 {F: e.profile.plain[F] for F in e.plain_buckets}))
+        est = self.estimates[live] * self.correction()
+        est = np.minimum.accumulate(np.minimum(est, 1.0), axis=1)  # survival never rises along j
+        est[np.arange(est.shape[1]) >= np.asarray(rooms)[:, None]] = 0.0
+        # A proposal at least every PROBE_EVERY rounds, so that the estimates stay current.
+        kind, F = self.table[1].choose(est, len(live), plain=self.since_spec < PROBE_EVERY)
         if kind == "plain":
             self.since_spec += 1
             return e.run_round(("plain", F)), "plain", F
@@ -107,17 +123,20 @@ class AsyncPolicy(Policy):
         return e.run_round(("topk", F)), "spec", F
 
     def admitted(self, slot):
-        self.estimates.pop(slot, None)
+        self.estimates[slot] = self.prior
 
     def observe(self, out, live):
         active = np.flatnonzero(out.was_active)
         if out.survival.shape[1] == 0 or not len(active):
             return
-        for slot in active:
-            self.estimates[int(slot)] = out.survival[slot].astype(np.float64)
-        mean = out.survival[active].mean(0).astype(np.float64)
-        self.prior = mean if not self.seen else 0.9 * self.prior + 0.1 * mean
-        self.seen = True
+        a = out.survival[active].astype(np.float64)  # [n, γ]
+        j = np.arange(a.shape[1])
+        verified = j < out.verified[active][:, None]
+        survived = j < out.accepted[active][:, None]
+        self.predicted = self.DECAY * self.predicted + np.where(verified, a, 0.0).sum(0)
+        self.observed = self.DECAY * self.observed + survived.sum(0)
+        self.estimates[active] = a
+        self.prior = a.mean(0)
 
 
 def make_policy(engine) -> Policy:

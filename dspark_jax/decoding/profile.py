@@ -63,15 +63,14 @@ def measured_on(tcfg, dcfg, slots: int, max_len: int, context: int, mesh_shape: 
         k: v for k, v in sorted(dataclasses.asdict(cfg).items())
         if isinstance(v, (int, float, str, bool, list, tuple))}
     device = jax.devices()[0]
-    return {"target": shapes(tcfg), "drafter": shapes(dcfg), "slots": slots, "max_len": max_len,
+    return _normal({"target": shapes(tcfg), "drafter": shapes(dcfg), "slots": slots, "max_len": max_len,
             "context": context, "device_kind": device.device_kind, "platform": device.platform,
-            "devices": len(jax.devices()), "mesh": mesh_shape, "jax": jax.__version__}
+            "devices": len(jax.devices()), "mesh": mesh_shape, "jax": jax.__version__})
 
 
 def default_context(engine) -> int:
-    """Cached positions per slot a start-up profile is measured at: half the context, leaving
-    room for the timed rounds."""
-    return max(1, min(engine.S // 2, engine.S - 2 - 16 * engine.W))
+    """Cached positions per slot a start-up profile is measured at: half the context."""
+    return max(1, engine.S // 2)
 
 
 def engine_key(engine, context: int | None = None) -> dict:
@@ -83,14 +82,16 @@ def engine_key(engine, context: int | None = None) -> dict:
 def measure(engine, repeats: int = 12, trials: int = 3, context: int | None = None) -> SpsProfile:
     """Times the engine's spec round (propose, fill, verify, commit) for every verification bucket
     and its plain round for every anchor bucket, on all slots filled with `context` cached
-    positions: per trial, two untimed rounds then `repeats` back-to-back ones; the median over
-    trials of the mean round time. Leaves the engine's slots empty."""
+    positions: per trial, two untimed rounds then `repeats` back-to-back ones (fewer if the context
+    has no room for them); the median over trials of the mean round time. Leaves the engine's
+    slots empty."""
     from dspark_jax.decoding.engine import Request  # the engine imports this module
 
     context = default_context(engine) if context is None else context
-    if context < 1 or context + (repeats + 2) * engine.W >= engine.S:
-        raise ProfileError(f"profile context {context}: needs >= 1 and room for {repeats + 2} "
-                           f"rounds of {engine.W} tokens within {engine.S} positions")
+    repeats = min(repeats, (engine.S - 1 - context) // engine.W - 2)  # every round must fit
+    if context < 1 or repeats < 1:
+        raise ProfileError(f"profile context {context}: needs >= 1 and room for 3 rounds of "
+                           f"{engine.W} tokens within {engine.S} positions")
     rng = np.random.default_rng(0)
     fillers = [(slot, Request(id=f"profile-{slot}", max_new_tokens=10 ** 9, prompt_ids=tuple(
         rng.integers(0, engine.tcfg.vocab_size, context).tolist()))) for slot in range(engine.R)]
@@ -166,8 +167,12 @@ def check(profile: SpsProfile, expected: dict, spec_buckets, plain_buckets, wher
     """Raises ProfileError unless the profile was measured for this model, slots, context and
     device, and times every bucket the engine compiles."""
     for key in MATCH_KEYS:
-        got, want = profile.measured_on.get(key), expected.get(key)
-        if _normal(got) != _normal(want):
+        got, want = _normal(profile.measured_on.get(key)), _normal(expected.get(key))
+        if got != want:
+            if isinstance(got, dict) and isinstance(want, dict):
+                fields = sorted(k for k in got.keys() | want.keys() if got.get(k) != want.get(k))
+                got = {k: got.get(k) for k in fields}
+                want = {k: want.get(k) for k in fields}
             raise ProfileError(f"{where}: measured for {key} {_short(got)}; this engine has "
                                f"{_short(want)} (profile it again with python -m serve.profile)")
     for kind, table, buckets in (("spec", profile.spec, spec_buckets),

@@ -22,7 +22,13 @@ from flax import struct
 
 from dspark_jax.decoding.acceptance import split_rows
 from dspark_jax.decoding.sampling import ACCEPT, FIRST_TOKEN, PROPOSE, row_keys, sample, target_probs
-from dspark_jax.decoding.schedulers import admit_first, candidate_order, greedy_count, schedule
+from dspark_jax.decoding.schedulers import (
+    admit_first,
+    candidate_order,
+    fill_bucket,
+    greedy_count,
+    schedule,
+)
 from dspark_jax.decoding.state import (
     CONTEXT,
     LENGTH,
@@ -135,10 +141,10 @@ def propose_stage(shape: EngineShape, state: EngineState, tparams, dparams) -> D
 
 
 def verify_and_commit(shape: EngineShape, bucket: int, state: EngineState, tparams, dparams,
-                      draft: Draft | None, ell: jax.Array) -> tuple[EngineState, RoundOutput]:
+                      draft: Draft | None, ell: jax.Array) -> tuple[EngineState, tuple]:
     """Verifies every active slot's anchor and its first ℓ_r drafts in one flat batch of `bucket`
     tokens, accepts, and commits. `draft` None: no proposal (each slot verifies its anchor only);
-    ℓ [R] is clipped here to each slot's room."""
+    ℓ [R] is clipped here to each slot's room. Returns (state, the packed RoundOutput)."""
     tcfg, R, S = shape.tcfg, shape.slots, shape.max_len
     s = state.slots
     drafts = jnp.zeros((R, 0), jnp.int32) if draft is None else draft.tokens
@@ -187,7 +193,7 @@ def verify_and_commit(shape: EngineShape, bucket: int, state: EngineState, tpara
     return state.replace(slots=slots, target_cache=out.cache, draft_cache=dc), RoundOutput(
         tokens=tokens, count=count, verified=ell, accepted=k, finish=finish, was_active=s.active,
         conf_logits=no_conf if draft is None else draft.conf_logits,
-        survival=no_conf if draft is None else draft.survival)
+        survival=no_conf if draft is None else draft.survival).pack()
 
 
 def plain_round(shape: EngineShape, bucket: int, state: EngineState, tparams, dparams):
@@ -201,8 +207,11 @@ def scheduled_round(shape: EngineShape, bucket: int, state: EngineState, tparams
     """fixed / threshold: ℓ_r per request on the device; the bucket holds every active anchor plus
     the scheduler's most drafts."""
     draft = propose_stage(shape, state, tparams, dparams)
-    return verify_and_commit(shape, bucket, state, tparams, dparams, draft,
-                             schedule(shape.scheduler, draft.confidence))
+    ell = schedule(shape.scheduler, draft.confidence)
+    if shape.scheduler.bucket_fill:
+        s = state.slots
+        ell = fill_bucket(ell, draft.survival, room(shape, s), bucket - jnp.sum(s.active))
+    return verify_and_commit(shape, bucket, state, tparams, dparams, draft, ell)
 
 
 def topk_round(shape: EngineShape, bucket: int, state: EngineState, tparams, dparams):
@@ -233,7 +242,7 @@ def greedy_verify(shape: EngineShape, bucket: int, state: EngineState, tparams, 
     """Verifies the plan in `bucket`; with bucket fill the padding takes the next candidates in
     the same order (the bucket was decided by candidates ranked before them)."""
     ell = plan.ell
-    if shape.scheduler.bucket_fill:
+    if shape.scheduler.bucket_fill:  # greedy's own choice is a prefix of the same order
         ell = admit_first(plan.order, plan.a_sorted, bucket - jnp.sum(state.slots.active),
                           shape.slots)
     return verify_and_commit(shape, bucket, state, tparams, dparams, plan.draft, ell)

@@ -12,6 +12,12 @@ verifies:
   global search over the profiled buckets (`choose_bucket`); on the device the bucket is filled by
   the candidates with the highest current a_{r,j} beside every request's anchor (`admit_first`).
 
+Bucket fill (ours, optional, for fixed, threshold and greedy): the verification bucket's padding
+takes the next candidates in survival order instead of idling (`fill_bucket`). With a bucketed SPS,
+Algorithm 1 already stops only at bucket boundaries (inside a bucket SPS is constant, so every
+candidate with a > 0 raises Θ), so for greedy it adds only candidates of survival 0; for threshold
+and fixed it verifies drafts they would have left out at no extra cost.
+
 Non-anticipation (Appendix A). c_j depends on the draft d_{j-1} (the Markov embedding), so ℓ does
 depend on drafts; what makes it lossless is that the decision to verify d_j never depends on d_j or
 on anything sampled after it. threshold stops at the first low c_j, and c_1..c_j are known before d_j
@@ -42,7 +48,8 @@ class SchedulerConfig:
     kind: Literal["fixed", "threshold", "greedy", "async"] = "async"
     verify_len: int = 0  # fixed(ℓ); 0 = the block size γ
     threshold: float = 0.5  # threshold(t)
-    bucket_fill: bool = False  # greedy: pad up to the bucket with the next candidates
+    bucket_fill: bool = False  # pad the verification bucket with the next candidates (fixed,
+    # threshold, greedy; async fills its bucket by construction)
 
     def max_len(self, block_size: int) -> int:
         """Most drafts one request may verify (what the verification bucket must hold)."""
@@ -56,11 +63,13 @@ class SchedulerConfig:
         return self.kind in ("greedy", "async")
 
     def describe(self, block_size: int) -> str:
+        fill = " + bucket fill" if self.bucket_fill and self.kind != "async" else ""
         if self.kind == "fixed":
-            return f"fixed({self.max_len(block_size)})"
+            return f"fixed({self.max_len(block_size)}){fill}"
         if self.kind == "threshold":
-            return f"threshold({self.threshold})"
-        return self.kind + (" + bucket fill" if self.bucket_fill else "")
+            return f"threshold({self.threshold}){fill}"
+        return self.kind + fill
+        return self.kind
 
 
 def survival(confidence: jax.Array) -> jax.Array:
@@ -113,16 +122,33 @@ def admit_first(order: jax.Array, a_sorted: jax.Array, count: jax.Array, R: int)
     return jnp.sum(admitted, axis=0).astype(jnp.int32)
 
 
+def fill_bucket(ell: jax.Array, a: jax.Array, room: jax.Array, capacity: jax.Array) -> jax.Array:
+    """ℓ [R] grown to `capacity` drafts in all: the scheduler's own choice first, then the next
+    candidates in descending survival (its prefix property kept: a_{r,j} never rises along j).
+
+    Lossless when `capacity` is fixed before this round's drafts (the bucket minus the anchors):
+    whether d_j is added depends on the candidates ranked before it and on the scheduler's own
+    choices, which are causal.
+    """
+    R, gamma = a.shape
+    chosen = jnp.arange(gamma)[None, :] < jnp.minimum(ell, room)[:, None]
+    order, ranked = candidate_order(jnp.where(chosen, 2.0, a), room)  # chosen ones rank first
+    return admit_first(order, ranked, capacity, R)
+
+
 def greedy_count(a_sorted: jax.Array, num_active: jax.Array, sps: jax.Array) -> jax.Array:
     """Algorithm 1's admitted count m: walk the candidates, B = n + i, τ* = n + Σ a, and stop at
     the first step where Θ = τ*·SPS(B) does not improve. sps [B_max + 1]: steps per second for a
     verification of B tokens (the bucketed step function; 0 past the largest bucket)."""
     n = num_active.astype(jnp.float32)
+
+    def sps_at(B):
+        return jnp.where(B < sps.shape[0], sps[jnp.minimum(B, sps.shape[0] - 1)], 0.0)
+
     steps = jnp.arange(a_sorted.shape[0]) + 1
-    B = jnp.minimum(num_active + steps, sps.shape[0] - 1)
     tau = n + jnp.cumsum(jnp.maximum(a_sorted, 0.0))
-    theta = tau * sps[B]
-    before = jnp.concatenate([(n * sps[jnp.minimum(num_active, sps.shape[0] - 1)])[None], theta[:-1]])
+    theta = tau * sps_at(num_active + steps)
+    before = jnp.concatenate([(n * sps_at(num_active))[None], theta[:-1]])
     improves = (theta > before) & (a_sorted > 0)
     return jnp.sum(jnp.cumprod(improves.astype(jnp.int32))).astype(jnp.int32)
 
@@ -137,18 +163,33 @@ def choose_bucket(estimates: np.ndarray, num_live: int, spec_seconds: dict[int, 
 
     estimates [n, γ]: survival estimates a_{r,j} of the live requests from earlier rounds. A spec
     bucket F verifies the F - n best candidates beside the n anchors: τ = n + (sum of the F - n
-    largest estimates); a plain round (no proposal) commits n tokens.
+    largest estimates); a plain round (no proposal) commits n tokens. `plain_seconds` empty: a
+    proposal is required.
     """
-    pool = np.sort(np.asarray(estimates, np.float64).reshape(-1))[::-1]
-    gain = np.concatenate([[0.0], np.cumsum(np.clip(pool, 0.0, 1.0))])
-    best = ("spec", max(spec_seconds), -1.0)
-    if plain_seconds:  # empty: a proposal is required
-        plain_F = min(F for F in plain_seconds if F >= num_live)
-        best = ("plain", plain_F, num_live / plain_seconds[plain_F])
-    for F, seconds in sorted(spec_seconds.items()):
-        if F <= num_live:
-            continue
-        theta = (num_live + gain[min(F - num_live, len(pool))]) / seconds
-        if theta > best[2]:
-            best = ("spec", F, theta)
-    return best[0], best[1]
+    return BucketTable(spec_seconds, plain_seconds).choose(estimates, num_live)
+
+
+class BucketTable:
+    """Round seconds per bucket as arrays, for `choose_bucket` once per round on the host."""
+
+    def __init__(self, spec_seconds: dict[int, float], plain_seconds: dict[int, float]):
+        self.spec_F = np.asarray(sorted(spec_seconds), np.int64)
+        self.spec_s = np.asarray([spec_seconds[F] for F in self.spec_F], np.float64)
+        self.plain_F = np.asarray(sorted(plain_seconds), np.int64)
+        self.plain_s = np.asarray([plain_seconds[F] for F in self.plain_F], np.float64)
+
+    def choose(self, estimates: np.ndarray, num_live: int, plain: bool = True) -> tuple[str, int]:
+        pool = -np.sort(-np.clip(np.ravel(estimates), 0.0, 1.0))
+        gain = np.concatenate([[0.0], np.cumsum(pool)])
+        fits = self.spec_F > num_live
+        best = ("spec", int(self.spec_F[-1]), -1.0)
+        if fits.any():
+            F = self.spec_F[fits]
+            theta = (num_live + gain[np.minimum(F - num_live, len(pool))]) / self.spec_s[fits]
+            i = int(np.argmax(theta))
+            best = ("spec", int(F[i]), float(theta[i]))
+        if plain and len(self.plain_F):
+            i = int(np.searchsorted(self.plain_F, num_live))
+            if num_live / self.plain_s[i] >= best[2]:
+                return "plain", int(self.plain_F[i])
+        return best[0], best[1]

@@ -82,14 +82,32 @@ class EngineState:
 
 @struct.dataclass
 class RoundOutput:
+    """What the host reads back of a round. It crosses to the host packed into two arrays (a read
+    costs per array, and the host reads one round per round)."""
+
     tokens: jax.Array  # [R, W] committed tokens (first `count` valid)
     count: jax.Array  # [R] tokens committed this round (bonus included, after stop/budget cuts)
     verified: jax.Array  # [R] ℓ: drafts verified
     accepted: jax.Array  # [R] k: drafts accepted (before cuts)
     finish: jax.Array  # [R] RUNNING or a finish code
-    was_active: jax.Array  # [R]
+    was_active: jax.Array  # [R] bool
     conf_logits: jax.Array  # [R, γ] raw confidence logits of the round's block ([R, 0]: none)
     survival: jax.Array  # [R, γ] calibrated prefix survival a_j ([R, 0]: no proposal)
+
+    def pack(self) -> tuple[jax.Array, jax.Array]:
+        """(int32 [R, W + 5], float32 [R, 2γ]) on the device."""
+        columns = (self.count, self.verified, self.accepted, self.finish, self.was_active)
+        ints = jnp.concatenate([self.tokens] + [c.astype(jnp.int32)[:, None] for c in columns], 1)
+        return ints, jnp.concatenate([self.conf_logits, self.survival], 1)
+
+    @classmethod
+    def unpack(cls, packed) -> "RoundOutput":
+        """numpy RoundOutput from the host copy of `pack()`."""
+        ints, floats = packed
+        W, gamma = ints.shape[1] - 5, floats.shape[1] // 2
+        return cls(tokens=ints[:, :W], count=ints[:, W], verified=ints[:, W + 1],
+                   accepted=ints[:, W + 2], finish=ints[:, W + 3], was_active=ints[:, W + 4] > 0,
+                   conf_logits=floats[:, :gamma], survival=floats[:, gamma:])
 
 
 def init_state(shape: EngineShape, seed: int, mesh: Mesh | None = None) -> EngineState:

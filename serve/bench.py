@@ -1,0 +1,324 @@
+"""Serving benchmarks. `concurrency`: output tokens/s against the number of concurrent requests for
+plain decoding, fixed verification lengths and the load-aware schedulers (the paper's Fig. 7, 8).
+
+    python -m serve.bench concurrency --target DIR --drafter DIR --prompts FILE [FILE ...] --out DIR
+        [--levels 1,2,4,8,16,32] [--temperatures 0,1] [--schedulers plain,fixed1,fixed,greedy,async]
+        [--max-new-tokens 128] [--requests-per-slot 4] [--repeats 3] [--ignore-eos] [--max-len 0]
+        [--prefill-buckets ...] [--sts FILE|none] [--seed 0] [--no-compile-cache]
+
+Schedulers: plain (the target alone), fixed1 = fixed(1), fixed = fixed(γ), greedy, async. For each
+concurrency c (the engine's slot count R) and scheduler one engine is built and warmed up (every
+program compiles; greedy and async load their SPS profile from the user's cache directory, or
+measure and cache it), one untimed pass decodes c requests of 8 tokens, then for each temperature a
+timed run decodes c x --requests-per-slot requests whose prompts cycle through the prompt files;
+a finished request's slot is refilled from the queue at once, so all slots stay full until it
+drains. Requests stop at the tokenizer's stop tokens (--ignore-eos: every request runs to
+--max-new-tokens, as serving benchmarks' flag of that name). The engines of one level are built
+first and their timed runs interleaved, --repeats times, the median kept: this machine's speed
+drifts between runs more than the differences measured. Throughput is the output tokens of a timed
+run over its wall time, prefills and the drain included; tokens/s per user is a request's tokens
+after its first over its time since admission.
+
+Writes into --out: concurrency.json (command, device, models, every row), concurrency.md (the tables
+printed at the end), throughput.png (tokens/s and mean budget per request against c), pareto.png
+(tokens/s against tokens/s per user, one panel per temperature).
+"""
+
+import argparse
+import dataclasses
+import gc
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from dspark_jax.errors import DSparkError
+from serve import cli
+
+# name -> SchedulerConfig(kind, verify_len) arguments; None: the target alone.
+SCHEDULERS = {"plain": None, "fixed1": ("fixed", 1), "fixed": ("fixed", 0),
+              "greedy": ("greedy", 0), "async": ("async", 0)}
+BASELINES = ("plain", "fixed1", "fixed")
+WARM_TOKENS = 8
+RECORDED = ("output_tokens_per_s", "tokens_per_s_per_request", "tau", "acceptance_rate",
+            "mean_verified", "mean_budget", "buckets", "rounds", "elapsed_s", "output_tokens",
+            "compilations_after_warmup")
+LINE_STYLES = ("-", "--", ":", "-.")
+
+
+def _numbers(text: str, kind, ok) -> list | None:
+    """Comma-separated values without repeats; None when one is malformed or fails `ok`."""
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        return None
+    return list(dict.fromkeys(values)) if values and all(map(ok, values)) else None
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m serve.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="benchmark", required=True)
+    c = sub.add_parser("concurrency", help="throughput against the number of concurrent requests",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli.add_engine_flags(c)
+    for action in c._actions:  # the slot counts come from --levels
+        if action.dest == "slots":
+            action.help = argparse.SUPPRESS
+    c.set_defaults(slots=None)
+    c.add_argument("--drafter", required=True, help="DeepSpec-format drafter directory")
+    c.add_argument("--prompts", nargs="+", required=True, help="JSONL prompt file(s)")
+    c.add_argument("--out", required=True, help="output directory")
+    c.add_argument("--levels", default="1,2,4,8,16,32", help="concurrencies (slot counts)")
+    c.add_argument("--temperatures", default="0,1")
+    c.add_argument("--schedulers", default=",".join(SCHEDULERS), help=", ".join(SCHEDULERS))
+    c.add_argument("--max-new-tokens", type=int, default=128, help="every request's budget")
+    c.add_argument("--requests-per-slot", type=int, default=4, help="timed requests = c x this")
+    c.add_argument("--repeats", type=int, default=3, help="timed runs per cell (median kept)")
+    c.add_argument("--ignore-eos", action="store_true", help="decode every request to its budget")
+    c.add_argument("--sts", default="", help="calibration temperatures (sts.json); default: the "
+                   "drafter directory's sts.json when present; 'none': raw confidences")
+    args = ap.parse_args(argv)
+    problems = []
+    if args.slots is not None:
+        problems.append("--slots: the slot counts are given by --levels")
+    levels = _numbers(args.levels, int, lambda v: v >= 1)
+    temperatures = _numbers(args.temperatures, float, lambda v: 0 <= v < float("inf"))
+    if levels is None:
+        problems.append(f"--levels {args.levels!r}: expected positive integers, e.g. 1,2,4,8")
+    if temperatures is None:
+        problems.append(f"--temperatures {args.temperatures!r}: expected numbers >= 0, e.g. 0,1")
+    args.levels, args.temperatures = sorted(levels or [1]), temperatures
+    args.schedulers = list(dict.fromkeys(s.strip() for s in args.schedulers.split(",") if s.strip()))
+    unknown = [s for s in args.schedulers if s not in SCHEDULERS]
+    if unknown or not args.schedulers:
+        problems.append(f"--schedulers: unknown {', '.join(unknown) or '(none given)'}; "
+                        f"expected some of {', '.join(SCHEDULERS)}")
+    if args.max_new_tokens < 1:
+        problems.append(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
+    if args.drafter.lower() == "none" and set(args.schedulers) - {"plain"}:
+        problems.append("--drafter none: without a drafter only --schedulers plain can run")
+    if args.repeats < 1:
+        problems.append(f"--repeats {args.repeats}: must be >= 1")
+    if args.requests_per_slot < 1:
+        problems.append(f"--requests-per-slot {args.requests_per_slot}: must be >= 1")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        problems.append(f"--out {args.out}: is a file; expected a directory")
+    args.slots = max(args.levels)
+    problems += cli.engine_flag_problems(args)
+    if args.data_parallel >= 1 and any(level % args.data_parallel for level in args.levels):
+        problems.append(f"--levels: each must be a multiple of --data-parallel {args.data_parallel}")
+    if problems:
+        c.error("; ".join(problems))
+    return args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    command = shlex.join(["python", "-m", "serve.bench", *argv])
+    try:
+        report = concurrency(args, command)
+    except DSparkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(markdown(report), end="")
+    print(f"command: {command}")
+    return 0
+
+
+def concurrency(args, command: str) -> dict:
+    import jax
+
+    from dspark_jax.decoding.engine import Engine
+    from dspark_jax.decoding.schedulers import SchedulerConfig
+    from dspark_jax.formats.tokenizer import load_tokenizer
+
+    for path in args.prompts:
+        if not Path(path).is_file():
+            raise DSparkError(f"{path}: prompt file not found")
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DSparkError(f"--out {out}: cannot create the directory ({e.strerror or e})") from None
+    tokenizer = load_tokenizer(args.target)
+    cli.setup_jax(args)
+    mesh = cli.make_mesh(args)
+    tcfg, tparams, dcfg, dparams, sts, sts_from = cli.load_models(args, mesh)
+    max_len = args.max_len or min(2048, tcfg.max_position_embeddings)
+
+    def engine_for(name: str, slots: int) -> Engine:
+        shape = {"slots": slots, "max_len": max_len, "prefill_buckets": args.prefill_buckets,
+                 "seed": args.seed, "mesh": mesh}
+        if SCHEDULERS[name] is None:
+            return Engine(tcfg, tparams, **shape)
+        return Engine(tcfg, tparams, dcfg, dparams, scheduler=SchedulerConfig(*SCHEDULERS[name]),
+                      sts=sts, **shape)
+
+    probe = engine_for("plain", args.levels[0])  # its request checks hold for every engine
+    prompts, bad = [], 0
+    for path in args.prompts:
+        requests, _, errors = cli.read_requests(Path(path), tokenizer, probe.check_request,
+                                                max_new_tokens=1)
+        prompts, bad = prompts + requests, bad + len(errors)
+    del probe
+    if not prompts:
+        raise DSparkError(f"no usable prompt in {', '.join(args.prompts)}")
+    if any(len(p.prompt_ids) + args.max_new_tokens > max_len for p in prompts):
+        print(f"note: some prompts stop at the end of the context ({max_len}) before "
+              "--max-new-tokens", file=sys.stderr)
+
+    def batch(n: int, temperature: float, new_tokens: int, tag: str) -> list:
+        # The same ids (random streams) for every scheduler at one (level, temperature).
+        stops = () if args.ignore_eos else tuple(tokenizer.stop_token_ids)
+        return [dataclasses.replace(prompts[i % len(prompts)], id=f"{tag}-{i}", temperature=temperature,
+                                    max_new_tokens=new_tokens, stop_ids=stops) for i in range(n)]
+
+    device = jax.devices()[0]
+    report = {"command": command, "jax_version": jax.__version__,
+              "device": {"platform": device.platform, "kind": device.device_kind,
+                         "count": jax.device_count()},
+              "target": str(Path(args.target).resolve()), "calibration": sts_from or None,
+              "drafter": str(Path(args.drafter).resolve()) if dcfg else "none",
+              "block_size": dcfg.block_size if dcfg else None, "max_len": max_len,
+              "max_new_tokens": args.max_new_tokens, "requests_per_slot": args.requests_per_slot,
+              "repeats": args.repeats, "ignore_eos": args.ignore_eos,
+              "prompt_files": args.prompts, "prompts": len(prompts), "bad_records": bad, "levels": args.levels,
+              "temperatures": args.temperatures, "schedulers": args.schedulers, "rows": []}
+    for c in args.levels:
+        engines = {}
+        for name in args.schedulers:
+            engines[name] = engine = engine_for(name, c)
+            warm_s = engine.warmup()
+            engine.generate(batch(c, args.temperatures[0], WARM_TOKENS, "warm"))
+            print(f"c={c} {name}: {engine.compilations} programs in {warm_s:.1f} s"
+                  + (f"; SPS profile: {engine.profile_source}" if engine.profile else ""),
+                  file=sys.stderr, flush=True)
+        for temp in args.temperatures:
+            runs = {name: [] for name in engines}
+            requests = batch(c * args.requests_per_slot, temp, args.max_new_tokens, f"c{c}-t{temp:g}")
+            for _ in range(args.repeats):
+                for name, engine in engines.items():
+                    runs[name].append(engine.generate(requests))
+            for name, engine in engines.items():
+                m = sorted(runs[name], key=lambda m: m["output_tokens_per_s"])[len(runs[name]) // 2]
+                report["rows"].append({
+                    "level": c, "temperature": temp, "scheduler": name, "describe": m["scheduler"],
+                    "requests": len(requests), "sps_profile": engine.profile_source or None,
+                    "tokens_per_s_runs": [r["output_tokens_per_s"] for r in runs[name]],
+                    **{k: m[k] for k in RECORDED}})
+                print(f"c={c} T={temp:g} {name}: {m['output_tokens_per_s']:,.1f} tok/s, "
+                      f"{m['tokens_per_s_per_request']:,.1f} tok/s per user, tau {m['tau']:.2f}, "
+                      f"budget {m['mean_budget']:.2f}", file=sys.stderr, flush=True)
+        del engines, engine
+        gc.collect()
+        report["ratios"] = ratios(report["rows"])
+        write(report, out)  # after every level, so a long run keeps what it measured
+    return report
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Per (level, temperature): async / the best of plain, fixed1, fixed; async / fixed."""
+    tps = {(r["level"], r["temperature"], r["scheduler"]): r["output_tokens_per_s"] for r in rows}
+    out = []
+    for c, temp in dict.fromkeys((r["level"], r["temperature"]) for r in rows):
+        a = tps.get((c, temp, "async"))
+        base = [tps[c, temp, s] for s in BASELINES if (c, temp, s) in tps]
+        fixed = tps.get((c, temp, "fixed"))
+        out.append({"level": c, "temperature": temp,
+                    "async_over_best": a / max(base) if a and base else None,
+                    "async_over_fixed": a / fixed if a and fixed else None})
+    return out
+
+
+def markdown(report: dict) -> str:
+    """The command, then tokens/s and tokens/s per user, one row per (level, temperature)."""
+    scheds = report["schedulers"]
+    rows = {(r["level"], r["temperature"], r["scheduler"]): r for r in report["rows"]}
+    fmt = lambda v, spec=",.1f": "–" if v is None else format(v, spec)
+    extra = [("async budget", lambda q, a: a.get("mean_budget")),
+             ("async / best", lambda q, a: q["async_over_best"]),
+             ("async / fixed", lambda q, a: q["async_over_fixed"])] if "async" in scheds else []
+    setup = (f"{report['device']['kind']} x{report['device']['count']}, at most "
+             f"{report['max_new_tokens']} new tokens per request "
+             f"({'stop tokens ignored' if report['ignore_eos'] else 'ending at stop tokens'}), "
+             f"{report['requests_per_slot']} requests per slot, median of {report['repeats']} runs")
+    lines = [f"`{report['command']}`", "", setup, ""]
+    for title, key, cols in (("Output tokens/s", "output_tokens_per_s", extra),
+                             ("Tokens/s per user", "tokens_per_s_per_request", [])):
+        head = ["c", "T", *scheds, *(name for name, _ in cols)]
+        lines += [title, "", "| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+        for q in report["ratios"]:
+            c, t = q["level"], q["temperature"]
+            cells = [str(c), f"{t:g}", *(fmt(rows.get((c, t, s), {}).get(key)) for s in scheds),
+                     *(fmt(get(q, rows.get((c, t, "async"), {})), ".2f") for _, get in cols)]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write(report: dict, out: Path) -> None:
+    (out / "concurrency.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "concurrency.md").write_text(markdown(report))
+    plot_throughput(report, out / "throughput.png")
+    plot_pareto(report, out / "pareto.png")
+
+
+def _series(report: dict, scheduler: str, temperature: float) -> list[dict]:
+    return sorted((r for r in report["rows"] if r["scheduler"] == scheduler
+                   and r["temperature"] == temperature), key=lambda r: r["level"])
+
+
+def _figure(panels: int):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5.5 * panels, 4.2))
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(1, panels, squeeze=False)[0]
+
+
+def plot_throughput(report: dict, path: Path) -> None:
+    """Fig. 7: tokens/s and mean budget per request against concurrency (log2)."""
+    fig, axes = _figure(2)
+    keys = ("output_tokens_per_s", "mean_budget")
+    for i, name in enumerate(report["schedulers"]):
+        for j, temp in enumerate(report["temperatures"]):
+            pts = _series(report, name, temp)
+            for ax, key in zip(axes, keys):
+                ax.plot([r["level"] for r in pts], [r[key] for r in pts], color=f"C{i}", marker="o",
+                        linestyle=LINE_STYLES[j % 4], label=f"{name}, T={temp:g}")
+    levels = sorted({r["level"] for r in report["rows"]})
+    for ax, label in zip(axes, ("output tokens / s", "mean budget per request (padding incl.)")):
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="concurrent requests", ylabel=label)
+        ax.set_xticks(levels, [str(v) for v in levels])
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize="small")
+    fig.suptitle(f"throughput against concurrency ({report['device']['kind']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def plot_pareto(report: dict, path: Path) -> None:
+    """Fig. 8: tokens/s against tokens/s per user, joined across levels, labelled by level."""
+    fig, axes = _figure(len(report["temperatures"]))
+    for ax, temp in zip(axes, report["temperatures"]):
+        for i, name in enumerate(report["schedulers"]):
+            pts = _series(report, name, temp)
+            xy = [(r["tokens_per_s_per_request"], r["output_tokens_per_s"]) for r in pts]
+            ax.plot(*zip(*xy), color=f"C{i}", marker="o", label=name)
+            for r, point in zip(pts, xy):
+                ax.annotate(str(r["level"]), point, textcoords="offset points", xytext=(4, 4),
+                            fontsize="x-small", color=f"C{i}")
+        ax.set(title=f"T = {temp:g} (labels: concurrency)", xlabel="tokens / s per user",
+               ylabel="output tokens / s")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

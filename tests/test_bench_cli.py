@@ -1,0 +1,119 @@
+"""`python -m serve.bench concurrency` run the way a user runs it: a subprocess in the repository root
+on the session's tiny trained pair. One small sweep (two levels, three schedulers, greedy sampling)
+checks the four files it writes; the flag errors stop before anything is loaded."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PNG = b"\x89PNG\r\n\x1a\n"
+LEVELS, SCHEDULERS = (1, 2), ("plain", "fixed", "async")
+# async's start-up SPS profile needs room for 14 rounds of a block (+1) past its context, so 64
+# positions are too few; one prefill bucket keeps the compilations (most of the test's time) few.
+MAX_LEN = 80
+MD_HEADER = "| c | T | plain | fixed | async | async budget | async / best | async / fixed |"
+
+
+def bench_cli(*args, timeout=600) -> subprocess.CompletedProcess:
+    """Runs the benchmark; the compilation and SPS caches are inherited from conftest."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "serve.bench", *map(str, args)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    # Raw prompts in the chat layout the drafter was trained on, so that it gets drafts accepted.
+    texts = ["Count from 3 to 9.", "Repeat 'red blue' 3 times.", "Continue the pattern: cat dog"]
+    path.write_text("".join(json.dumps({"prompt": f"<|im_start|>user\n{t}<|im_end|>\n<|im_start|>"
+                                                  "assistant\n"}) + "\n" for t in texts), encoding="utf-8")
+    return path
+
+
+def test_concurrency_sweep_writes_its_report(tiny_pair, prompt_file, tmp_path):
+    target, _, drafter = tiny_pair
+    out = tmp_path / "nested" / "bench"
+    proc = bench_cli("concurrency", "--target", target, "--drafter", drafter, "--prompts", prompt_file,
+                     "--out", out, "--levels", ",".join(map(str, LEVELS)), "--temperatures", "0",
+                     "--schedulers", ",".join(SCHEDULERS), "--max-new-tokens", "8",
+                     "--requests-per-slot", "2", "--max-len", MAX_LEN, "--prefill-buckets", MAX_LEN)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in ("concurrency.json", "concurrency.md", "throughput.png", "pareto.png"):
+        assert (out / name).is_file(), name
+    for name in ("throughput.png", "pareto.png"):
+        assert (out / name).read_bytes().startswith(PNG), name
+
+    report = json.loads((out / "concurrency.json").read_text())
+    rows = report["rows"]
+    assert sorted((r["level"], r["scheduler"]) for r in rows) == \
+        sorted((c, s) for c in LEVELS for s in SCHEDULERS)
+    for r in rows:
+        assert r["temperature"] == 0 and r["requests"] == 2 * r["level"]
+        assert r["output_tokens_per_s"] > 0 and r["tokens_per_s_per_request"] > 0
+        assert r["compilations_after_warmup"] == 0
+        # Stop tokens are ignored, so every request decodes its whole budget of 8 tokens.
+        assert r["output_tokens"] == 8 * r["requests"]
+        assert sum(r["buckets"].values()) == r["rounds"]
+    assert {r["describe"] for r in rows} == {"plain", "fixed(4)", "async"}
+    assert all(r["tau"] == 1 and r["mean_budget"] == 0 for r in rows if r["scheduler"] == "plain")
+    assert all(r["tau"] >= 1 for r in rows)
+    assert all(r["mean_verified"] > 0 for r in rows if r["scheduler"] == "fixed"), rows
+    assert len(report["ratios"]) == len(LEVELS)
+    for q in report["ratios"]:
+        assert q["async_over_best"] > 0 and q["async_over_fixed"] > 0
+    assert report["jax_version"] and report["device"]["platform"] == "cpu"
+
+    md = (out / "concurrency.md").read_text()
+    lines = md.splitlines()
+    assert lines[0] == f"`{report['command']}`"
+    start = lines.index(MD_HEADER)
+    data = [line for line in lines[start + 2:] if line.startswith("|")][:len(LEVELS)]
+    assert [line.split(" | ")[0] for line in data] == [f"| {c}" for c in LEVELS]
+    assert lines[start + 2 + len(LEVELS)] == ""  # exactly one row per level x temperature
+    # stdout: the tables, then the exact command line; progress on stderr.
+    assert proc.stdout.startswith(md)
+    assert proc.stdout.splitlines()[-1] == f"command: {report['command']}"
+    assert report["command"].startswith("python -m serve.bench concurrency --target ")
+    assert "c=2 T=0 async:" in proc.stderr and "tok/s" not in proc.stdout
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--levels", "1,x"], "--levels '1,x': expected positive integers"),
+    (["--levels", "0,2"], "--levels '0,2': expected positive integers"),
+    (["--temperatures", "-1"], "--temperatures '-1': expected numbers >= 0"),
+    (["--schedulers", "plain,bogus"], "--schedulers: unknown bogus; expected some of plain, fixed1"),
+    (["--requests-per-slot", "0"], "--requests-per-slot 0: must be >= 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
+    (["--drafter", "none"], "--drafter none: without a drafter only --schedulers plain can run"),
+    ([], "--out {out}: is a file; expected a directory"),
+])
+def test_bad_flags_exit_2_before_loading_anything(tmp_path, flags, message):
+    # Nothing exists at these paths (but --out, a file when no flag is bad): a flag error comes first.
+    out = tmp_path / "out"
+    if not flags:
+        out.write_text("not a directory")
+    message = message.format(out=out)
+    proc = bench_cli("concurrency", "--target", tmp_path / "no-target", "--drafter",
+                     tmp_path / "no-drafter", "--prompts", tmp_path / "no-prompts.jsonl",
+                     "--out", out, *flags, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "usage:" in proc.stderr and f"error: {message}" in proc.stderr, proc.stderr
+    assert "not found" not in proc.stderr and "Traceback" not in proc.stderr
+    assert out.is_file() if not flags else not out.exists()
+
+
+def test_missing_prompt_file(tmp_path):
+    missing = tmp_path / "missing.jsonl"
+    proc = bench_cli("concurrency", "--target", tmp_path / "no-target", "--drafter",
+                     tmp_path / "no-drafter", "--prompts", missing, "--out", tmp_path / "out",
+                     timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"error: {missing}: prompt file not found" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()

@@ -1,0 +1,169 @@
+"""What the engine takes besides requests: random streams per request, calibration temperatures and
+SPS profiles, with the errors a user can cause."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from dspark_jax.decoding import profile
+from dspark_jax.decoding.engine import Engine, Request
+from dspark_jax.decoding.schedulers import SchedulerConfig
+from dspark_jax.errors import DSparkError
+
+S = 64
+SMALL = dict(max_len=S, prefill_buckets=(S,), max_prefill_batch=2)
+
+
+@pytest.fixture(scope="module")
+def sampled_requests(engine_pair):
+    """Sixteen sampled requests (T = 1, some filtered), half with their own seed."""
+    tcfg, tok = engine_pair[0], engine_pair[5]
+    rng = np.random.default_rng(3)
+    asks = ["Count from 3 to 17.", "Repeat 'green river' 4 times.", "Continue the pattern: a b c"]
+    return [Request(id=f"s{i}", prompt_ids=tuple(tok.encode(asks[i % 3] * (1 + i % 2))),
+                    max_new_tokens=int(rng.integers(6, 20)), temperature=1.0,
+                    top_p=[1.0, 0.9][i % 2], top_k=[0, 0, 40][i % 3],
+                    seed=i * 7919 if i % 2 else None) for i in range(16)]
+
+
+def tokens_by_id(engine, reqs):
+    out = {}
+    engine.generate(reqs, lambda r: out.__setitem__(r.id, r.token_ids))
+    return out
+
+
+@pytest.mark.parametrize("scheduler", [None, SchedulerConfig("fixed", 0)], ids=["plain", "fixed-gamma"])
+def test_sampled_output_does_not_depend_on_slot_count_or_batch_mates(engine_pair, sampled_requests,
+                                                                     scheduler):
+    """A request's random stream is derived from the engine seed, the request and the position: with
+    plain decoding or fixed(ℓ) it samples the same tokens through 3 slots or 8, in any order."""
+    tcfg, tparams, dcfg, dparams = engine_pair[:4]
+    models = (dcfg, dparams) if scheduler else ()
+    kw = dict(SMALL, seed=7, scheduler=scheduler or SchedulerConfig("fixed"))
+    three = tokens_by_id(Engine(tcfg, tparams, *models, slots=3, **kw), sampled_requests)
+    eight = tokens_by_id(Engine(tcfg, tparams, *models, slots=8, **kw), sampled_requests[::-1])
+    assert three == eight
+    reseeded = [dataclasses.replace(r, seed=(r.seed or 0) + 1) for r in sampled_requests]
+    other = tokens_by_id(Engine(tcfg, tparams, *models, slots=3, **kw), reseeded)
+    assert sum(other[k] != three[k] for k in three) >= 12  # the seed does matter
+
+
+def test_calibration_temperatures_reach_the_confidences(engine_pair):
+    """threshold(t) on σ(z / T): with T = 1000 every confidence is ~0.5, so t = 0.45 verifies
+    every draft the budget allows and t = 0.55 none."""
+    tcfg, tparams, dcfg, dparams, _, tok = engine_pair
+    req = [Request(id="c", prompt_ids=tuple(tok.encode("Count from 3 to 17.")), max_new_tokens=16)]
+    flat = (1000.0,) * dcfg.block_size
+    kw = dict(SMALL, slots=1)
+    low = Engine(tcfg, tparams, dcfg, dparams, sts=flat, scheduler=SchedulerConfig(
+        "threshold", threshold=0.45), **kw)
+    high = Engine(tcfg, tparams, dcfg, dparams, sts=flat, scheduler=SchedulerConfig(
+        "threshold", threshold=0.55), **kw)
+    results = {}
+    low.generate(req, lambda r: results.__setitem__("low", r))
+    high.generate(req, lambda r: results.__setitem__("high", r))
+    generated = np.cumsum([1] + results["low"].accepted)[:-1]  # tokens before each round
+    assert results["low"].verified == [min(dcfg.block_size, 16 - g - 1) for g in generated]
+    assert set(results["high"].verified) == {0}
+    with pytest.raises(DSparkError, match=f"3 calibration temperatures for a drafter with block size "
+                                          f"{dcfg.block_size}"):
+        Engine(tcfg, tparams, dcfg, dparams, sts=(1.0, 1.0, 1.0), **kw)
+
+
+# ----------------------------------------------------------------------------- SPS profiles
+
+
+@pytest.fixture(scope="module")
+def async_engine(engine_pair):
+    tcfg, tparams, dcfg, dparams = engine_pair[:4]
+    return Engine(tcfg, tparams, dcfg, dparams, slots=2, scheduler=SchedulerConfig("async"),
+                  cache_profile=False, **SMALL)
+
+
+@pytest.fixture(scope="module")
+def measured(async_engine, tmp_path_factory):
+    """A profile measured on the real engine and written to disk."""
+    prof = profile.measure(async_engine, repeats=2, trials=1, context=16)
+    return prof, profile.save(prof, tmp_path_factory.mktemp("sps") / "sps.json")
+
+
+def test_a_measured_profile_times_every_compiled_bucket(async_engine, measured):
+    prof, path = measured
+    assert sorted(prof.spec) == async_engine.spec_buckets
+    assert sorted(prof.plain) == async_engine.plain_buckets
+    assert all(t > 0 for t in [*prof.spec.values(), *prof.plain.values()])
+    assert prof.measured_on["slots"] == 2 and prof.measured_on["context"] == 16
+    again = profile.load(path)
+    assert again == prof
+    table = prof.sps_table(async_engine.R * async_engine.W)
+    assert table[3] == 1 / prof.spec[4] and table[-1] == 1 / prof.spec[async_engine.spec_buckets[-1]]
+
+
+def test_an_engine_uses_a_given_profile_and_decodes(engine_pair, measured):
+    tcfg, tparams, dcfg, dparams, _, tok = engine_pair
+    _, path = measured
+    engine = Engine(tcfg, tparams, dcfg, dparams, slots=2, scheduler=SchedulerConfig("async"),
+                    sps=path, **SMALL)
+    m = engine.generate([Request(id=str(i), prompt_ids=tuple(tok.encode("Count from 1 to 9.")),
+                                 max_new_tokens=6) for i in range(3)])
+    assert engine.profile_source == str(path) and m["output_tokens"] == 18
+
+
+def _edit(path, tmp_path, name, change):
+    data = json.loads(path.read_text())
+    change(data)
+    out = tmp_path / name
+    out.write_text(json.dumps(data))
+    return out
+
+
+@pytest.mark.parametrize("name, change, message", [
+    ("slots.json", lambda d: d["measured_on"].update(slots=8),
+     "measured for slots 8; this engine has 2"),
+    ("model.json", lambda d: d["measured_on"]["target"].update(hidden_size=128),
+     "measured for target"),
+    ("missing.json", lambda d: d["seconds"]["spec"].pop("4"),
+     r"no spec round time for bucket\(s\) \[4\]"),
+    ("zero.json", lambda d: d["seconds"]["plain"].update({"1": 0.0}),
+     r"seconds.plain\[1\] = 0.0: round times must be positive"),
+    ("negative.json", lambda d: d["seconds"]["spec"].update({"2": -1}),
+     r"seconds.spec\[2\] = -1: round times must be positive"),
+    ("format.json", lambda d: d.update(format="other"), "not an SPS profile"),
+])
+def test_a_profile_that_does_not_fit_is_one_clear_error(engine_pair, measured, tmp_path, name,
+                                                        change, message):
+    tcfg, tparams, dcfg, dparams = engine_pair[:4]
+    bad = _edit(measured[1], tmp_path, name, change)
+    engine = Engine(tcfg, tparams, dcfg, dparams, slots=2, scheduler=SchedulerConfig("async"),
+                    sps=bad, **SMALL)
+    with pytest.raises(profile.ProfileError, match=f"{bad}: .*{message}"):
+        engine.warmup()
+
+
+def test_profile_file_errors(tmp_path):
+    missing = tmp_path / "none.json"
+    with pytest.raises(profile.ProfileError, match=f"{missing}: SPS profile not found"):
+        profile.load(missing)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.raises(profile.ProfileError, match=f"{broken}: not valid JSON"):
+        profile.load(broken)
+
+
+def test_a_stale_cached_profile_is_measured_again(engine_pair, measured, monkeypatch, tmp_path):
+    """The start-up cache: a damaged file in the cache is replaced by a new measurement."""
+    tcfg, tparams, dcfg, dparams = engine_pair[:4]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    engine = Engine(tcfg, tparams, dcfg, dparams, slots=2, scheduler=SchedulerConfig("greedy"),
+                    **SMALL)
+    cached = profile.cache_path(profile.engine_key(engine))
+    cached.parent.mkdir(parents=True)
+    cached.write_text("{damaged")
+    engine.warmup()
+    assert engine.profile_source.startswith("measured at start-up, cached in")
+    assert profile.load(cached).spec.keys() == dataclasses.asdict(engine.profile)["spec"].keys()
+    second = Engine(tcfg, tparams, dcfg, dparams, slots=2, scheduler=SchedulerConfig("greedy"), **SMALL)
+    second.warmup()
+    assert second.profile_source == f"cache {cached}"

@@ -1,0 +1,268 @@
+"""The schedulers' pieces by hand (DESIGN §5): per-request rules, the candidate order and its
+admission, Algorithm 1's walk against the paper's pseudo-code, and the async bucket search.
+
+Survival values and SPS tables are dyadic (multiples of 1/256 and 1/16), so float32 and Python
+floats compute the same Θ exactly and ties (Θ equal to the best, equal survival) really occur.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.decoding.schedulers import (
+    SchedulerConfig,
+    admit_first,
+    candidate_order,
+    choose_bucket,
+    fixed,
+    greedy_count,
+    schedule,
+    survival,
+    threshold,
+)
+
+
+def ells(a, room, count):
+    """admit_first after candidate_order, as numpy."""
+    a = jnp.asarray(a, jnp.float32)
+    order, a_sorted = candidate_order(a, jnp.asarray(room, jnp.int32))
+    return np.asarray(admit_first(order, a_sorted, jnp.int32(count), a.shape[0]))
+
+
+# ----------------------------------------------------------------------------- per request
+
+
+def test_survival_is_the_prefix_product():
+    c = jnp.asarray([[0.5, 0.5, 1.0, 0.0], [1.0, 0.75, 0.5, 0.25]])
+    np.testing.assert_array_equal(survival(c), [[0.5, 0.25, 0.25, 0.0],
+                                                [1.0, 0.75, 0.375, 0.09375]])
+
+
+def test_fixed_lengths():
+    c = jnp.zeros((3, 4))
+    np.testing.assert_array_equal(fixed(c, 0), [4, 4, 4])  # 0 means the block size
+    np.testing.assert_array_equal(fixed(c, 1), [1, 1, 1])
+    np.testing.assert_array_equal(fixed(c, 9), [4, 4, 4])  # never past γ
+    assert fixed(c, 2).dtype == jnp.int32
+
+
+def test_threshold_counts_leading_positions_only():
+    c = jnp.asarray([[0.5, 0.9, 0.9, 0.9],  # c_j == t counts
+                     [0.9, 0.4, 0.9, 0.9],  # a low c_j stops: later high ones do not count
+                     [0.1, 0.9, 0.9, 0.9],  # all rejected
+                     [1.0, 1.0, 1.0, 1.0]])  # all verified
+    np.testing.assert_array_equal(threshold(c, 0.5), [4, 1, 0, 4])
+    np.testing.assert_array_equal(schedule(SchedulerConfig("threshold", threshold=0.5), c),
+                                  [4, 1, 0, 4])
+    np.testing.assert_array_equal(schedule(SchedulerConfig("fixed", verify_len=3), c), [3] * 4)
+
+
+@pytest.mark.parametrize("kind", ["greedy", "async"])
+def test_schedule_refuses_load_aware_kinds(kind):
+    with pytest.raises(ValueError, match=kind):
+        schedule(SchedulerConfig(kind), jnp.ones((2, 3)))
+
+
+# ----------------------------------------------------------------------------- candidate order
+
+
+def test_candidate_order_ties_go_to_lower_j_then_lower_r():
+    # Flat index j·R + r. Survival 0.75 three times: (j0, r0), (j0, r1), (j1, r1); 0.5 three times:
+    # (j0, r2), (j1, r0), (j1, r2).
+    a = [[0.75, 0.5], [0.75, 0.75], [0.5, 0.5]]
+    order, a_sorted = candidate_order(jnp.asarray(a), jnp.asarray([2, 2, 2]))
+    np.testing.assert_array_equal(order, [0, 1, 4, 2, 3, 5])
+    np.testing.assert_array_equal(a_sorted, [0.75, 0.75, 0.75, 0.5, 0.5, 0.5])
+
+
+def test_candidate_order_puts_candidates_past_the_room_last():
+    # Row 1 is an empty slot (room 0), row 2 may verify one draft; its first draft is certain to
+    # fail (a = 0) but still valid, ahead of every invalid candidate.
+    a = [[1.0, 0.5, 0.25], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    order, a_sorted = candidate_order(jnp.asarray(a), jnp.asarray([3, 0, 1]))
+    np.testing.assert_array_equal(order[:4], [0, 3, 6, 2])  # (0,0), (0,1), (0,2), (2,0)
+    np.testing.assert_array_equal(a_sorted, [1.0, 0.5, 0.25, 0.0, -1, -1, -1, -1, -1])
+    assert sorted(np.asarray(order[4:])) == [1, 4, 5, 7, 8]  # row 1 and row 2's j >= 1
+
+
+def test_admit_first_by_hand():
+    a = [[0.75, 0.5], [0.75, 0.75], [0.5, 0.5]]
+    expected = {0: [0, 0, 0], 1: [1, 0, 0], 2: [1, 1, 0], 3: [1, 2, 0], 4: [1, 2, 1],
+                5: [2, 2, 1], 6: [2, 2, 2], 7: [2, 2, 2], 100: [2, 2, 2]}
+    for count, ell in expected.items():
+        np.testing.assert_array_equal(ells(a, [2, 2, 2], count), ell, err_msg=f"count {count}")
+
+
+def test_admit_first_respects_the_room():
+    a = [[1.0, 0.5, 0.25], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    room = [3, 0, 1]
+    np.testing.assert_array_equal(ells(a, room, 0), [0, 0, 0])
+    np.testing.assert_array_equal(ells(a, room, 3), [3, 0, 0])
+    np.testing.assert_array_equal(ells(a, room, 4), [3, 0, 1])  # a zero-survival draft fills too
+    np.testing.assert_array_equal(ells(a, room, 9), [3, 0, 1])  # more than the valid candidates
+    np.testing.assert_array_equal(ells(a, [0, 0, 0], 9), [0, 0, 0])  # no room anywhere
+
+
+def random_table(rng, R, gamma):
+    """Survival [R, γ] non-increasing along j, with exact ties (c = 1) and zeros (c = 0)."""
+    c = rng.choice([0.0, 0.25, 0.5, 0.75, 1.0], size=(R, gamma), p=[0.05, 0.1, 0.2, 0.3, 0.35])
+    return np.cumprod(c, axis=1)
+
+
+def test_admitted_drafts_are_a_prefix_of_every_row():
+    rng = np.random.default_rng(0)
+    order_of = jax.jit(candidate_order)
+    admit = jax.jit(admit_first, static_argnums=3)
+    R, gamma = 5, 4
+    for _ in range(50):
+        a, room = random_table(rng, R, gamma), rng.integers(0, gamma + 1, R)
+        order, a_sorted = order_of(jnp.asarray(a, jnp.float32), jnp.asarray(room, jnp.int32))
+        order, a_sorted = np.asarray(order), np.asarray(a_sorted)
+        assert np.all(np.diff(a_sorted) <= 0)
+        for count in range(R * gamma + 2):
+            ell = np.asarray(admit(order, a_sorted, count, R))
+            taken = [divmod(int(i), R) for i, s in zip(order[:count], a_sorted[:count]) if s >= 0]
+            for r in range(R):
+                assert sorted(j for j, row in taken if row == r) == list(range(ell[r]))
+            assert np.all(ell <= room) and ell.sum() == min(count, room.sum())
+
+
+# ----------------------------------------------------------------------------- Algorithm 1
+
+
+def algorithm1(a, room, n, sps):
+    """The paper's pseudo-code: ℓ* for survival a [R, γ] (candidates past room[r] excluded), n
+    active requests and SPS(B) = sps[B]."""
+    R = a.shape[0]
+    candidates = [(r, j) for r in range(R) for j in range(room[r]) if a[r, j] > 0]
+    candidates.sort(key=lambda rj: (-a[rj], rj[1], rj[0]))  # descending; ties: lower j, lower r
+    ell, best_ell = [0] * R, [0] * R
+    B, tau = n, float(n)
+    best = tau * sps[B]
+    for r, j in candidates:
+        ell[r] = j + 1
+        B += 1
+        tau += a[r, j]
+        theta = tau * sps[B]
+        if theta > best:
+            best, best_ell[r] = theta, ell[r]
+        else:
+            break
+    return np.array(best_ell)
+
+
+def random_sps(rng, size):
+    """A non-increasing step function over random buckets: SPS(B) is the value of the smallest
+    bucket >= B, 0 past the largest (multiples of 1/16, equal steps allowed)."""
+    buckets = np.sort(rng.choice(np.arange(1, size), rng.integers(1, 7), replace=False))
+    values = np.sort(rng.integers(1, 33, len(buckets)))[::-1] / 16
+    table = []
+    for B in range(size):
+        i = np.searchsorted(buckets, B)
+        table.append(values[i] if i < len(buckets) else 0.0)
+    return np.array(table)
+
+
+@jax.jit
+def greedy_ell(a, room, n, sps):
+    order, a_sorted = candidate_order(a, room)
+    m = greedy_count(a_sorted, n, sps)
+    return m, admit_first(order, a_sorted, m, a.shape[0])
+
+
+def test_greedy_matches_the_papers_pseudo_code():
+    rng = np.random.default_rng(1)
+    R, gamma = 5, 4
+    stops = set()
+    for case in range(400):
+        a = random_table(rng, R, gamma)
+        active = rng.random(R) < 0.8
+        room = np.where(active, rng.integers(0, gamma + 1, R), 0)  # inactive slots: room 0
+        n = int(active.sum())
+        sps = random_sps(rng, R * (gamma + 1) + 1)  # the engine's table covers every B
+        expected = algorithm1(a, room, n, sps)
+        m, ell = greedy_ell(jnp.asarray(a, jnp.float32), jnp.asarray(room, jnp.int32),
+                            jnp.int32(n), jnp.asarray(sps, jnp.float32))
+        assert int(m) == expected.sum(), f"case {case}"
+        np.testing.assert_array_equal(ell, expected, err_msg=f"case {case}")
+        stops.add(int(m) == room[active].sum())
+    assert stops == {True, False}  # walks that stopped early and walks that took everything
+
+
+def test_greedy_appendix_a_numbers():
+    # One request, γ = 2, SPS(1) = 1.0, SPS(2) = 0.5, SPS(3) = 0.45: Θ0 = 1.0 beats Θ1 = 0.9, so
+    # the walk stops at once, even when a2 = 0.72 would make Θ2 = 1.134 the global maximum.
+    sps = jnp.asarray([1.0, 1.0, 0.5, 0.45])
+    one = jnp.int32(1)
+    for a in ([0.8, 0.72], [0.8, 0.0]):
+        m, ell = greedy_ell(jnp.asarray([a]), jnp.asarray([2]), one, sps)
+        assert int(m) == 0 and ell.tolist() == [0]
+    # With SPS(2) = 0.6, Θ1 = 1.08 improves and Θ2 = 1.134 improves again; a zero never does.
+    sps = jnp.asarray([1.0, 1.0, 0.6, 0.45])
+    m, ell = greedy_ell(jnp.asarray([[0.8, 0.72]]), jnp.asarray([2]), one, sps)
+    assert int(m) == 2 and ell.tolist() == [2]
+    m, ell = greedy_ell(jnp.asarray([[0.8, 0.0]]), jnp.asarray([2]), one, sps)
+    assert int(m) == 1 and ell.tolist() == [1]
+
+
+def test_greedy_stops_on_an_equal_throughput():
+    # Θ1 = (1 + 1)·0.5 = 1.0 = Θ0: no improvement, so nothing is admitted (Θ <= Θ_best breaks).
+    m, _ = greedy_ell(jnp.asarray([[1.0, 1.0]]), jnp.asarray([2]), jnp.int32(1),
+                      jnp.asarray([1.0, 1.0, 0.5, 0.5]))
+    assert int(m) == 0
+    # A flat SPS admits every positive candidate and stops at the first zero.
+    m, ell = greedy_ell(jnp.asarray([[1.0, 0.5, 0.0], [0.25, 0.25, 0.25]]), jnp.asarray([3, 3]),
+                        jnp.int32(2), jnp.ones(9))
+    assert int(m) == 5 and ell.tolist() == [2, 3]
+
+
+# ----------------------------------------------------------------------------- async bucket
+
+
+def test_choose_bucket_prefers_plain_when_drafts_cost_too_much():
+    est = np.full((4, 3), 0.5)
+    assert choose_bucket(est, 4, {8: 3.0, 16: 6.0}, {4: 1.0, 8: 1.5}) == ("plain", 4)
+    assert choose_bucket(est, 5, {8: 3.0, 16: 6.0}, {4: 1.0, 8: 1.5}) == ("plain", 8)
+
+
+def test_choose_bucket_takes_every_candidate_when_all_survive():
+    est = np.ones((4, 3))  # 12 candidates
+    assert choose_bucket(est, 4, {8: 1.0, 16: 1.0}, {4: 1.0}) == ("spec", 16)
+    # a bucket past what the candidates can fill never wins a tie
+    assert choose_bucket(est, 4, {8: 1.0, 16: 1.0, 32: 1.0}, {4: 1.0}) == ("spec", 16)
+
+
+def test_choose_bucket_jumps_across_an_sps_cliff():
+    est = np.full((4, 4), 0.5)  # 16 candidates, 0.5 each
+    spec = {5: 1.0, 6: 1.5, 8: 1.75, 16: 2.0}
+    theta = {F: (4 + 0.5 * (F - 4)) / s for F, s in spec.items()}
+    # bucket 5 beats its neighbour 6 (a stepwise search would stop there), bucket 16 beats all
+    assert theta[5] > theta[6] and max(theta, key=theta.get) == 16 and theta[5] > 4.0
+    assert choose_bucket(est, 4, spec, {4: 1.0}) == ("spec", 16)
+
+
+def test_choose_bucket_without_plain_always_proposes():
+    assert choose_bucket(np.zeros((4, 2)), 4, {8: 100.0}, {}) == ("spec", 8)
+    assert choose_bucket(np.zeros((4, 2)), 4, {6: 2.0, 8: 1.0}, {}) == ("spec", 8)  # the cheapest
+    assert choose_bucket(np.zeros((8, 2)), 8, {8: 1.0}, {}) == ("spec", 8)  # anchors only
+    rng = np.random.default_rng(2)
+    for _ in range(200):
+        n = int(rng.integers(1, 8))
+        spec = {F: float(rng.uniform(0.5, 4)) for F in (8, 16, 32)}
+        kind, F = choose_bucket(rng.random((n, 4)), n, spec, {})
+        assert kind == "spec" and F in spec
+
+
+def test_choose_bucket_is_the_argmax_over_every_bucket():
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        n = int(rng.integers(1, 9))
+        est = np.cumprod(rng.random((n, 4)), axis=1)
+        spec = {F: float(rng.uniform(0.5, 4)) for F in (4, 8, 12, 16, 24, 32, 48) if F > n}
+        plain = {F: float(rng.uniform(0.2, 1.5)) for F in (8, 16)}
+        pool = np.sort(est.reshape(-1))[::-1]
+        options = {("plain", 8 if n <= 8 else 16): n / plain[8 if n <= 8 else 16]}
+        options.update({("spec", F): (n + pool[:F - n].sum()) / s for F, s in spec.items()})
+        best = max(options.values())
+        assert options[choose_bucket(est, n, spec, plain)] == pytest.approx(best, rel=1e-12)
