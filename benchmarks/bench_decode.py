@@ -26,7 +26,6 @@ def round_split(engine):
     from dspark_jax.models.drafter import propose
     from dspark_jax.models.target import forward_flat
 
-    s = engine.state.slots
     F = engine.verify_buckets[-1]
     W = engine.W
     rows = np.repeat(np.arange(engine.R), W)[:F].astype(np.int32)

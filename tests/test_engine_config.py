@@ -19,7 +19,7 @@ SMALL = dict(max_len=S, prefill_buckets=(S,), max_prefill_batch=2)
 @pytest.fixture(scope="module")
 def sampled_requests(engine_pair):
     """Sixteen sampled requests (T = 1, some filtered), half with their own seed."""
-    tcfg, tok = engine_pair[0], engine_pair[5]
+    tok = engine_pair[5]
     rng = np.random.default_rng(3)
     asks = ["Count from 3 to 17.", "Repeat 'green river' 4 times.", "Continue the pattern: a b c"]
     return [Request(id=f"s{i}", prompt_ids=tuple(tok.encode(asks[i % 3] * (1 + i % 2))),

@@ -31,8 +31,8 @@ import pytest
 from scipy import stats
 
 from dspark_jax.config import DrafterConfig, TargetConfig
-from dspark_jax.decoding.acceptance import Acceptance, accept, split_rows
 from dspark_jax.decoding import profile
+from dspark_jax.decoding.acceptance import Acceptance, accept, split_rows
 from dspark_jax.decoding.engine import Engine, Request
 from dspark_jax.decoding.sampling import sample
 from dspark_jax.decoding.schedulers import SchedulerConfig
