@@ -8,7 +8,6 @@ while step N+1 runs, so logging never stalls the device.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from pathlib import Path
