@@ -3,7 +3,7 @@ plain decoding, fixed verification lengths and the load-aware schedulers (the pa
 
     python -m serve.bench concurrency --target DIR --drafter DIR --prompts FILE [FILE ...] --out DIR
         [--levels 1,2,4,8,16,32] [--temperatures 0,1] [--schedulers plain,fixed1,fixed,greedy,async]
-        [--max-new-tokens 128] [--requests-per-slot 4] [--repeats 3] [--ignore-eos] [--max-len 0]
+        [--max-new-tokens 128] [--requests-per-slot 8] [--repeats 3] [--ignore-eos] [--max-len 0]
         [--prefill-buckets ...] [--sts FILE|none] [--seed 0] [--no-compile-cache]
 
 Schedulers: plain (the target alone), fixed1 = fixed(1), fixed = fixed(γ), greedy, async. For each
@@ -15,9 +15,10 @@ a finished request's slot is refilled from the queue at once, so all slots stay 
 drains. Requests stop at the tokenizer's stop tokens (--ignore-eos: every request runs to
 --max-new-tokens, as serving benchmarks' flag of that name). The engines of one level are built
 first and their timed runs interleaved, --repeats times, the median kept: this machine's speed
-drifts between runs more than the differences measured. Throughput is the output tokens of a timed
-run over its wall time, prefills and the drain included; tokens/s per user is a request's tokens
-after its first over its time since admission.
+drifts between runs more than the differences measured. Throughput is measured at full load: the
+output tokens read back until the last request was admitted over the time until then (every slot
+busy, prefills included, the drain excluded; the whole run's figure is in the JSON as well).
+Tokens/s per user is a request's tokens after its first over its time since admission.
 
 Writes into --out: concurrency.json (command, device, models, every row), concurrency.md (the tables
 printed at the end), throughput.png (tokens/s and mean budget per request against c), pareto.png
@@ -40,7 +41,8 @@ SCHEDULERS = {"plain": None, "fixed1": ("fixed", 1), "fixed": ("fixed", 0),
               "greedy": ("greedy", 0), "async": ("async", 0)}
 BASELINES = ("plain", "fixed1", "fixed")
 WARM_TOKENS = 8
-RECORDED = ("output_tokens_per_s", "tokens_per_s_per_request", "tau", "acceptance_rate",
+RECORDED = ("full_load_tokens_per_s", "output_tokens_per_s", "tokens_per_s_per_request", "tau",
+            "acceptance_rate",
             "mean_verified", "mean_budget", "buckets", "rounds", "elapsed_s", "output_tokens",
             "compilations_after_warmup")
 LINE_STYLES = ("-", "--", ":", "-.")
@@ -73,7 +75,8 @@ def parse_args(argv):
     c.add_argument("--temperatures", default="0,1")
     c.add_argument("--schedulers", default=",".join(SCHEDULERS), help=", ".join(SCHEDULERS))
     c.add_argument("--max-new-tokens", type=int, default=128, help="every request's budget")
-    c.add_argument("--requests-per-slot", type=int, default=4, help="timed requests = c x this")
+    c.add_argument("--requests-per-slot", type=int, default=8,
+                   help="timed requests = c x this (>= 2: the queue must outlast the first wave)")
     c.add_argument("--repeats", type=int, default=3, help="timed runs per cell (median kept)")
     c.add_argument("--ignore-eos", action="store_true", help="decode every request to its budget")
     c.add_argument("--sts", default="", help="calibration temperatures (sts.json); default: the "
@@ -100,8 +103,8 @@ def parse_args(argv):
         problems.append("--drafter none: without a drafter only --schedulers plain can run")
     if args.repeats < 1:
         problems.append(f"--repeats {args.repeats}: must be >= 1")
-    if args.requests_per_slot < 1:
-        problems.append(f"--requests-per-slot {args.requests_per_slot}: must be >= 1")
+    if args.requests_per_slot < 2:
+        problems.append(f"--requests-per-slot {args.requests_per_slot}: must be >= 2")
     if Path(args.out).exists() and not Path(args.out).is_dir():
         problems.append(f"--out {args.out}: is a file; expected a directory")
     args.slots = max(args.levels)
@@ -202,13 +205,13 @@ def concurrency(args, command: str) -> dict:
                 for name, engine in engines.items():
                     runs[name].append(engine.generate(requests))
             for name, engine in engines.items():
-                m = sorted(runs[name], key=lambda m: m["output_tokens_per_s"])[len(runs[name]) // 2]
+                m = sorted(runs[name], key=lambda m: m["full_load_tokens_per_s"])[len(runs[name]) // 2]
                 report["rows"].append({
                     "level": c, "temperature": temp, "scheduler": name, "describe": m["scheduler"],
                     "requests": len(requests), "sps_profile": engine.profile_source or None,
-                    "tokens_per_s_runs": [r["output_tokens_per_s"] for r in runs[name]],
+                    "tokens_per_s_runs": [r["full_load_tokens_per_s"] for r in runs[name]],
                     **{k: m[k] for k in RECORDED}})
-                print(f"c={c} T={temp:g} {name}: {m['output_tokens_per_s']:,.1f} tok/s, "
+                print(f"c={c} T={temp:g} {name}: {m['full_load_tokens_per_s']:,.1f} tok/s, "
                       f"{m['tokens_per_s_per_request']:,.1f} tok/s per user, tau {m['tau']:.2f}, "
                       f"budget {m['mean_budget']:.2f}", file=sys.stderr, flush=True)
         del engines, engine
@@ -220,7 +223,7 @@ def concurrency(args, command: str) -> dict:
 
 def ratios(rows: list[dict]) -> list[dict]:
     """Per (level, temperature): async / the best of plain, fixed1, fixed; async / fixed."""
-    tps = {(r["level"], r["temperature"], r["scheduler"]): r["output_tokens_per_s"] for r in rows}
+    tps = {(r["level"], r["temperature"], r["scheduler"]): r["full_load_tokens_per_s"] for r in rows}
     out = []
     for c, temp in dict.fromkeys((r["level"], r["temperature"]) for r in rows):
         a = tps.get((c, temp, "async"))
@@ -245,7 +248,7 @@ def markdown(report: dict) -> str:
              f"({'stop tokens ignored' if report['ignore_eos'] else 'ending at stop tokens'}), "
              f"{report['requests_per_slot']} requests per slot, median of {report['repeats']} runs")
     lines = [f"`{report['command']}`", "", setup, ""]
-    for title, key, cols in (("Output tokens/s", "output_tokens_per_s", extra),
+    for title, key, cols in (("Output tokens/s at full load", "full_load_tokens_per_s", extra),
                              ("Tokens/s per user", "tokens_per_s_per_request", [])):
         head = ["c", "T", *scheds, *(name for name, _ in cols)]
         lines += [title, "", "| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
@@ -282,7 +285,7 @@ def _figure(panels: int):
 def plot_throughput(report: dict, path: Path) -> None:
     """Fig. 7: tokens/s and mean budget per request against concurrency (log2)."""
     fig, axes = _figure(2)
-    keys = ("output_tokens_per_s", "mean_budget")
+    keys = ("full_load_tokens_per_s", "mean_budget")
     for i, name in enumerate(report["schedulers"]):
         for j, temp in enumerate(report["temperatures"]):
             pts = _series(report, name, temp)
@@ -307,7 +310,7 @@ def plot_pareto(report: dict, path: Path) -> None:
     for ax, temp in zip(axes, report["temperatures"]):
         for i, name in enumerate(report["schedulers"]):
             pts = _series(report, name, temp)
-            xy = [(r["tokens_per_s_per_request"], r["output_tokens_per_s"]) for r in pts]
+            xy = [(r["tokens_per_s_per_request"], r["full_load_tokens_per_s"]) for r in pts]
             ax.plot(*zip(*xy), color=f"C{i}", marker="o", label=name)
             for r, point in zip(pts, xy):
                 ax.annotate(str(r["level"]), point, textcoords="offset points", xytext=(4, 4),

@@ -1,12 +1,13 @@
 """Profile the engine's round time for every verification bucket (SPS, DESIGN §5).
 
     python -m serve.profile --target DIR --drafter DIR --out FILE [--slots R] [--max-len S]
-        [--context N] [--repeats 12] [--trials 3]
+        [--context N] [--trials 5] [--min-ms 30]
 
-Fills every slot with a prompt of --context tokens (default: half the context), then times the
+Fills every slot with a prompt of --context tokens (default: a quarter of the context), then times the
 real engine's round with a proposal (propose, fill the bucket, verify, commit) for every
 verification bucket it compiles and the round without one for every anchor bucket: two untimed
-rounds, then --repeats back-to-back rounds, the median over --trials. Writes a JSON table keyed by
+rounds, then back-to-back rounds for at least --min-ms (or until the context is full), the median
+over --trials of the mean round time. Writes a JSON table keyed by
 what it was measured on (model shapes, slots, context, device); serve.decode --sps FILE uses it.
 """
 
@@ -23,13 +24,14 @@ def parse_args(argv):
     cli.add_engine_flags(ap)
     ap.add_argument("--drafter", required=True, help="DeepSpec-format drafter directory")
     ap.add_argument("--out", required=True, help="profile JSON to write")
-    ap.add_argument("--context", type=int, default=0, help="cached positions per slot (0: half)")
-    ap.add_argument("--repeats", type=int, default=12)
-    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--context", type=int, default=0,
+                    help="cached positions per slot (0: a quarter of the context)")
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--min-ms", type=float, default=30.0, help="timed milliseconds per trial")
     args = ap.parse_args(argv)
     problems = cli.engine_flag_problems(args)
-    if args.context < 0 or args.repeats < 1 or args.trials < 1:
-        problems.append("--context must be >= 0, --repeats and --trials >= 1")
+    if args.context < 0 or args.min_ms < 0 or args.trials < 1:
+        problems.append("--context and --min-ms must be >= 0, --trials >= 1")
     if Path(args.out).is_dir():
         problems.append(f"--out {args.out}: is a directory; expected a file name")
     if problems:
@@ -58,7 +60,7 @@ def main(argv=None) -> int:
         print(f"profiling {len(engine.spec_buckets)} verification and {len(engine.plain_buckets)} "
               f"anchor buckets, {args.slots} slots x {max_len} positions (compiles first) ...",
               file=sys.stderr, flush=True)
-        prof = profile.measure(engine, repeats=args.repeats, trials=args.trials,
+        prof = profile.measure(engine, trials=args.trials, min_seconds=args.min_ms / 1e3,
                                context=args.context or None)
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)

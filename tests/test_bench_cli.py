@@ -43,7 +43,8 @@ def test_concurrency_sweep_writes_its_report(tiny_pair, prompt_file, tmp_path):
     proc = bench_cli("concurrency", "--target", target, "--drafter", drafter, "--prompts", prompt_file,
                      "--out", out, "--levels", ",".join(map(str, LEVELS)), "--temperatures", "0",
                      "--schedulers", ",".join(SCHEDULERS), "--max-new-tokens", "8",
-                     "--requests-per-slot", "2", "--max-len", MAX_LEN, "--prefill-buckets", MAX_LEN)
+                     "--requests-per-slot", "2", "--repeats", "1", "--ignore-eos", "--max-len", MAX_LEN,
+                     "--prefill-buckets", MAX_LEN)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for name in ("concurrency.json", "concurrency.md", "throughput.png", "pareto.png"):
         assert (out / name).is_file(), name
@@ -57,6 +58,7 @@ def test_concurrency_sweep_writes_its_report(tiny_pair, prompt_file, tmp_path):
     for r in rows:
         assert r["temperature"] == 0 and r["requests"] == 2 * r["level"]
         assert r["output_tokens_per_s"] > 0 and r["tokens_per_s_per_request"] > 0
+        assert r["full_load_tokens_per_s"] > 0
         assert r["compilations_after_warmup"] == 0
         # Stop tokens are ignored, so every request decodes its whole budget of 8 tokens.
         assert r["output_tokens"] == 8 * r["requests"]
@@ -89,7 +91,7 @@ def test_concurrency_sweep_writes_its_report(tiny_pair, prompt_file, tmp_path):
     (["--levels", "0,2"], "--levels '0,2': expected positive integers"),
     (["--temperatures", "-1"], "--temperatures '-1': expected numbers >= 0"),
     (["--schedulers", "plain,bogus"], "--schedulers: unknown bogus; expected some of plain, fixed1"),
-    (["--requests-per-slot", "0"], "--requests-per-slot 0: must be >= 1"),
+    (["--requests-per-slot", "1"], "--requests-per-slot 1: must be >= 2"),
     (["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
     (["--drafter", "none"], "--drafter none: without a drafter only --schedulers plain can run"),
     ([], "--out {out}: is a file; expected a directory"),

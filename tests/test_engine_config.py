@@ -85,7 +85,7 @@ def async_engine(engine_pair):
 @pytest.fixture(scope="module")
 def measured(async_engine, tmp_path_factory):
     """A profile measured on the real engine and written to disk."""
-    prof = profile.measure(async_engine, repeats=2, trials=1, context=16)
+    prof = profile.measure(async_engine, trials=1, min_seconds=0.0, context=16)
     return prof, profile.save(prof, tmp_path_factory.mktemp("sps") / "sps.json")
 
 
@@ -167,3 +167,31 @@ def test_a_stale_cached_profile_is_measured_again(engine_pair, measured, monkeyp
     second = Engine(tcfg, tparams, dcfg, dparams, slots=2, scheduler=SchedulerConfig("greedy"), **SMALL)
     second.warmup()
     assert second.profile_source == f"cache {cached}"
+
+
+def test_rounds_without_a_proposal_still_build_the_drafters_context(engine_pair):
+    """Rounds without a proposal hold the committed tokens' features back (PendingContext) and
+    project them in one batch later: the drafter's context cache ends up as a fixed(γ) engine,
+    which projects every committed token at once, builds it (greedy: the same tokens)."""
+    import jax
+
+    from dspark_jax.decoding import rounds
+
+    tcfg, tparams, dcfg, dparams, _, tok = engine_pair
+    req = [Request(id="p", prompt_ids=tuple(tok.encode("Count from 3 to 17.")), max_new_tokens=40)]
+    lazy = Engine(tcfg, tparams, dcfg, dparams, slots=1, scheduler=SchedulerConfig("async"), **SMALL)
+    # Proposals priced out: every round but the periodic probe is a round without one.
+    lazy.use_profile(profile.SpsProfile(measured_on=profile.engine_key(lazy),
+                                        spec={F: 100.0 for F in lazy.spec_buckets},
+                                        plain={F: 1.0 for F in lazy.plain_buckets}), "test")
+    eager = Engine(tcfg, tparams, dcfg, dparams, slots=1, scheduler=SchedulerConfig("fixed"), **SMALL)
+    m = lazy.generate(req)
+    eager.generate(req)
+    assert m["buckets"].get("plain:1", 0) >= 30  # more than a pending buffer's worth in a row
+    state = rounds.flush_pending(lazy.shape, lazy.state, dparams)
+    n = int(eager.state.slots.length[0])
+    assert int(state.slots.length[0]) == n and int(state.pending.count[0]) == 0
+    for got, want in ((state.draft_cache.k, eager.state.draft_cache.k),
+                      (state.draft_cache.v, eager.state.draft_cache.v)):
+        np.testing.assert_allclose(jax.device_get(got)[:, 0, :n], jax.device_get(want)[:, 0, :n],
+                                   atol=1e-5, rtol=1e-5)

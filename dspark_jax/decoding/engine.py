@@ -201,6 +201,9 @@ class Engine:
                 fn = functools.partial(rounds.greedy_plan, self.shape)
                 args += (self._sps_placeholder(),)
                 out, donate = replicated, ()
+            elif kind == "flush":
+                fn = functools.partial(rounds.flush_round, self.shape)
+                out = None if self.mesh is None else self._state_sharding
             elif kind == "greedy_verify":
                 fn = functools.partial(rounds.greedy_verify, self.shape, *static)
                 args += (jax.eval_shape(functools.partial(rounds.greedy_plan, self.shape),
@@ -217,6 +220,10 @@ class Engine:
         """Dispatches a state-updating program; returns its (not yet read) output."""
         self.state, out = self._program(key)(self.state, self.tparams, self.dparams, *extra)
         return out
+
+    def flush(self) -> None:
+        """Projects the features held back by rounds without a proposal (PendingContext)."""
+        self.state = self._program(("flush",))(self.state, self.tparams, self.dparams)
 
     def run_program(self, key: tuple, *extra):
         """Dispatches a program that reads the state without changing it."""
@@ -402,9 +409,11 @@ class Engine:
                 self.policy.admitted(slot)
             for chunk in self.prefill_chunks(joiners):
                 events.append(("prefill", (chunk, self.prefill(chunk))))
+            if not queue and joiners:
+                tally.queue_empty()
             in_flight = 0
             if live:
-                out, round_kind, F = self.policy.dispatch(list(live), [
+                out, round_kind, F = self.policy.dispatch(list(live), lambda: [
                     self._room(serving[slot], len(res.token_ids)) for slot, res in live.items()])
                 events.append(("round", (round_kind, F, out)))
                 in_flight = 1

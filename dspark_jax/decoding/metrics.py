@@ -30,6 +30,7 @@ class Tally:
         self.budgets: list[float] = []
         self.buckets: dict[str, int] = {}
         self.t_start = time.perf_counter()
+        self.full: tuple[int, float] | None = None  # (tokens, seconds) when the queue ran dry
 
     def prefill_token(self) -> None:
         self.out_tokens += 1
@@ -52,6 +53,11 @@ class Tally:
         self.pos_reached[:min(accepted + 1, verified)] += 1
         self.pos_accepted[:min(accepted, verified)] += 1
 
+    def queue_empty(self) -> None:
+        """The last request was admitted: until now every slot was kept busy."""
+        if self.full is None:
+            self.full = (self.out_tokens, time.perf_counter() - self.t_start)
+
     def finished(self, num_tokens: int, seconds: float) -> None:
         if num_tokens > 1 and seconds > 0:
             self.rates.append((num_tokens - 1) / seconds)
@@ -71,6 +77,9 @@ class Tally:
                                                                           int(kv[0].split(":")[1])))),
             "output_tokens": self.out_tokens,
             "output_tokens_per_s": self.out_tokens / elapsed if elapsed else 0.0,
+            # Read back while the queue still held requests (every slot busy; the drain excluded).
+            "full_load_tokens_per_s": (self.full[0] / self.full[1]
+                                       if self.full and self.full[0] > 0 else None),
             # Decoding speed one user sees: tokens after the first over the time since admission.
             "tokens_per_s_per_request": float(np.mean(self.rates)) if self.rates else 0.0,
             "elapsed_s": elapsed,

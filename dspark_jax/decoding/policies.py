@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from dspark_jax.decoding.schedulers import BucketTable
+from dspark_jax.decoding.state import PENDING
 
 # async: a round with a proposal at least this often, so that survival estimates stay current even
 # when plain rounds win (a bounded cost: one round in PROBE_EVERY).
@@ -35,9 +36,9 @@ class Policy:
     def programs(self) -> list[tuple]:
         return [("plain", F) for F in self.engine.plain_buckets]
 
-    def dispatch(self, live: list[int], rooms: list[int]):
-        """Runs one round for the live slots (with the most drafts each can still verify, as far
-        as the host knows); returns (output, kind, bucket)."""
+    def dispatch(self, live: list[int], rooms):
+        """Runs one round for the live slots; `rooms()` gives the most drafts each can still
+        verify, as far as the host knows. Returns (output, kind, bucket)."""
         F = bucket_for(len(live), self.engine.plain_buckets)
         return self.engine.run_round(("plain", F)), "plain", F
 
@@ -96,17 +97,35 @@ class AsyncPolicy(Policy):
         self.prior = np.ones(gamma)  # a new request's estimate: the last round's mean
         self.predicted = np.zeros(gamma)  # decayed Σ a_j over verified drafts j
         self.observed = np.zeros(gamma)  # decayed Σ 1[draft j survived] over the same
-        self.since_spec = 0
+        self.since_spec = 0  # rounds since the last proposal
+        self.plain_run = 0  # rounds without a proposal since the held-back features were projected
+        self.last = None  # the last decision; a plain one stands until something changes
         self.table = None  # (profile, BucketTable of the compiled buckets)
 
     def programs(self):
-        return super().programs() + [("topk", F) for F in self.engine.spec_buckets]
+        return super().programs() + [("topk", F) for F in self.engine.spec_buckets] + [("flush",)]
 
     def correction(self) -> np.ndarray:
         """[γ] observed / predicted prefix survival (1 where nothing was verified yet)."""
         return np.where(self.predicted > 1e-3, self.observed / np.maximum(self.predicted, 1e-3), 1.0)
 
     def dispatch(self, live, rooms):
+        e = self.engine
+        if self.plain_run >= PENDING:  # the held-back features would overflow their buffer
+            e.flush()
+            self.plain_run = 0
+        n = len(live)
+        if self.last != ("plain", n) or self.since_spec >= PROBE_EVERY:
+            self.last = self.choose(live, rooms())
+        kind, F = self.last
+        if kind == "plain":
+            self.since_spec += 1
+            self.plain_run += 1
+            return e.run_round(("plain", F)), "plain", F
+        self.since_spec = self.plain_run = 0
+        return e.run_round(("topk", F)), "spec", F
+
+    def choose(self, live, rooms) -> tuple[str, int]:
         e = self.engine
         if self.table is None or self.table[0] is not e.profile:
             self.table = (e.profile, BucketTable({F: e.profile.spec[F] for F in e.spec_buckets},
@@ -116,14 +135,11 @@ class AsyncPolicy(Policy):
         est[np.arange(est.shape[1]) >= np.asarray(rooms)[:, None]] = 0.0
         # A proposal at least every PROBE_EVERY rounds, so that the estimates stay current.
         kind, F = self.table[1].choose(est, len(live), plain=self.since_spec < PROBE_EVERY)
-        if kind == "plain":
-            self.since_spec += 1
-            return e.run_round(("plain", F)), "plain", F
-        self.since_spec = 0
-        return e.run_round(("topk", F)), "spec", F
+        return kind, F
 
     def admitted(self, slot):
         self.estimates[slot] = self.prior
+        self.last = None
 
     def observe(self, out, live):
         active = np.flatnonzero(out.was_active)
@@ -137,6 +153,7 @@ class AsyncPolicy(Policy):
         self.observed = self.DECAY * self.observed + survived.sum(0)
         self.estimates[active] = a
         self.prior = a.mean(0)
+        self.last = None
 
 
 def make_policy(engine) -> Policy:

@@ -23,7 +23,7 @@ import numpy as np
 
 from dspark_jax.errors import DSparkError
 
-FORMAT, VERSION = "dspark-sps", 1
+FORMAT, VERSION = "dspark-sps", 2
 # What a profile must match to be used: the rest of `measured_on` is informative.
 MATCH_KEYS = ("target", "drafter", "slots", "max_len", "device_kind", "devices")
 
@@ -37,11 +37,11 @@ class SpsProfile:
     measured_on: dict
     spec: dict[int, float]  # verification bucket F -> seconds per round
     plain: dict[int, float]  # anchor bucket F -> seconds per round (no proposal)
-    repeats: int = 0
+    rounds: int = 0  # timed rounds per trial (median)
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "measured_on": self.measured_on,
-                "repeats": self.repeats,
+                "rounds_per_trial": self.rounds,
                 "seconds": {"spec": {str(F): t for F, t in sorted(self.spec.items())},
                             "plain": {str(F): t for F, t in sorted(self.plain.items())}}}
 
@@ -69,8 +69,9 @@ def measured_on(tcfg, dcfg, slots: int, max_len: int, context: int, mesh_shape: 
 
 
 def default_context(engine) -> int:
-    """Cached positions per slot a start-up profile is measured at: half the context."""
-    return max(1, engine.S // 2)
+    """Cached positions per slot a start-up profile is measured at: a quarter of the context (a
+    round reads the whole cache capacity whatever its length; the rest leaves room to time)."""
+    return max(1, engine.S // 4)
 
 
 def engine_key(engine, context: int | None = None) -> dict:
@@ -79,23 +80,26 @@ def engine_key(engine, context: int | None = None) -> dict:
                        default_context(engine) if context is None else context, mesh)
 
 
-def measure(engine, repeats: int = 12, trials: int = 3, context: int | None = None) -> SpsProfile:
+def measure(engine, trials: int = 5, min_seconds: float = 0.03, context: int | None = None
+            ) -> SpsProfile:
     """Times the engine's spec round (propose, fill, verify, commit) for every verification bucket
     and its plain round for every anchor bucket, on all slots filled with `context` cached
-    positions: per trial, two untimed rounds then `repeats` back-to-back ones (fewer if the context
-    has no room for them); the median over trials of the mean round time. Leaves the engine's
-    slots empty."""
+    positions. Per trial: fill the slots, two untimed rounds, then rounds dispatched as the
+    engine's loop does (one in flight, each read back and unpacked on the host while the next
+    runs) until `min_seconds` have passed or the context is full; the median over trials of the
+    mean round time. Leaves the engine's slots empty."""
     from dspark_jax.decoding.engine import Request  # the engine imports this module
 
     context = default_context(engine) if context is None else context
-    repeats = min(repeats, (engine.S - 1 - context) // engine.W - 2)  # every round must fit
-    if context < 1 or repeats < 1:
+    most = (engine.S - 1 - context) // engine.W - 2  # timed rounds that fit after the untimed two
+    if context < 1 or most < 1:
         raise ProfileError(f"profile context {context}: needs >= 1 and room for 3 rounds of "
                            f"{engine.W} tokens within {engine.S} positions")
     rng = np.random.default_rng(0)
     fillers = [(slot, Request(id=f"profile-{slot}", max_new_tokens=10 ** 9, prompt_ids=tuple(
         rng.integers(0, engine.tcfg.vocab_size, context).tolist()))) for slot in range(engine.R)]
     seconds: dict[str, dict[int, float]] = {"spec": {}, "plain": {}}
+    rounds_timed = []
     for kind, program, buckets in (("spec", "topk", engine.spec_buckets),
                                    ("plain", "plain", engine.plain_buckets)):
         for F in buckets:
@@ -107,15 +111,28 @@ def measure(engine, repeats: int = 12, trials: int = 3, context: int | None = No
                 for _ in range(2):
                     engine.run_round((program, F))
                 jax.block_until_ready(engine.state)
-                t0 = time.perf_counter()
-                for _ in range(repeats):
+                t0, n, previous = time.perf_counter(), 0, None
+                while n < most and (n < 3 or time.perf_counter() - t0 < min_seconds):
                     out = engine.run_round((program, F))
-                jax.block_until_ready(out)
-                means.append((time.perf_counter() - t0) / repeats)
+                    if previous is not None:  # the host's part of a round, as the engine's loop
+                        _read(previous)
+                    previous, n = out, n + 1
+                _read(previous)
+                means.append((time.perf_counter() - t0) / n)
+                rounds_timed.append(n)
             seconds[kind][F] = float(np.median(means))
     engine.reset()
     return SpsProfile(measured_on=engine_key(engine, context), spec=seconds["spec"],
-                      plain=seconds["plain"], repeats=repeats)
+                      plain=seconds["plain"], rounds=int(np.median(rounds_timed)))
+
+
+def _read(packed) -> None:
+    """What the host loop does with a round's output: read it back and take each slot's tokens."""
+    from dspark_jax.decoding.state import RoundOutput
+
+    out = RoundOutput.unpack(jax.device_get(packed))
+    for slot in np.flatnonzero(out.was_active):
+        out.tokens[slot, :out.count[slot]].tolist()
 
 
 def save(profile: SpsProfile, path: str | os.PathLike) -> Path:
@@ -160,7 +177,7 @@ def load(path: str | os.PathLike) -> SpsProfile:
             parsed[int(F)] = float(t)
         tables[kind] = parsed
     return SpsProfile(measured_on=obj["measured_on"], spec=tables["spec"], plain=tables["plain"],
-                      repeats=int(obj.get("repeats", 0)))
+                      rounds=int(obj.get("rounds_per_trial", 0)))
 
 
 def check(profile: SpsProfile, expected: dict, spec_buckets, plain_buckets, where: str) -> None:

@@ -10,8 +10,9 @@ built from three stages:
 
 and the programs compose them: `scheduled_round` (fixed, threshold: ℓ per request on the device),
 `topk_round` (async: the F - n best candidates fill the bucket), `plain_round` (no proposal: the
-anchors only, the drafter's context still gains every committed token), `greedy_plan` then
-`greedy_verify` (Algorithm 1, with a host read of B between them).
+anchors only; the drafter's context gains the committed tokens later, in one batch: `flush_round`
+or the next proposal), `greedy_plan` then `greedy_verify` (Algorithm 1, with a host read of B
+between them).
 """
 
 from __future__ import annotations
@@ -120,7 +121,32 @@ def prefill(shape: EngineShape, state: EngineState, tparams, dparams, slot_idx, 
                   max_new=upd(s.max_new, max_new), temperature=upd(s.temperature, temperature),
                   top_p=upd(s.top_p, top_p), top_k=upd(s.top_k, top_k), seed=upd(s.seed, seed),
                   stop_ids=upd(s.stop_ids, stop_ids))
-    return state.replace(slots=slots, target_cache=tc, draft_cache=dc), (first, finish)
+    pending = state.pending
+    if pending is not None:
+        pending = pending.replace(count=pending.count.at[slot_idx].set(0, mode="drop"))
+    return state.replace(slots=slots, target_cache=tc, draft_cache=dc, pending=pending), \
+        (first, finish)
+
+
+def flush_pending(shape: EngineShape, state: EngineState, dparams, when: jax.Array | None = None
+                  ) -> EngineState:
+    """Projects every slot's held-back features into the drafter's context cache (PendingContext),
+    if any slot holds some (or `when`); the state unchanged otherwise."""
+    pending = state.pending
+    if pending is None:
+        return state
+
+    def flush(state):
+        s, p = state.slots, state.pending
+        P = p.taps.shape[1]
+        offset = jnp.arange(P)
+        dc = extend_context(dparams, shape.tcfg, shape.dcfg, state.draft_cache, p.taps,
+                            s.length[:, None] - p.count[:, None] + offset,
+                            offset < p.count[:, None])
+        return state.replace(draft_cache=dc, pending=p.replace(count=jnp.zeros_like(p.count)))
+
+    when = jnp.any(pending.count > 0) if when is None else when
+    return jax.lax.cond(when, flush, lambda state: state, state)
 
 
 def propose_stage(shape: EngineShape, state: EngineState, tparams, dparams) -> Draft:
@@ -179,26 +205,39 @@ def verify_and_commit(shape: EngineShape, bucket: int, state: EngineState, tpara
     finish = jnp.where((finish == RUNNING) & (new_length >= S), CONTEXT, finish)
     finish = jnp.where(s.active, finish, RUNNING)
     count = jnp.where(s.active, count, 0)
-    dc = state.draft_cache
-    if dc is not None:  # the drafter's context gains the anchor and the accepted drafts
+    dc, pending = state.draft_cache, state.pending
+    if dc is not None and draft is not None:  # the drafter's context gains the committed tokens
         taps = jnp.zeros((R * W, out.taps.shape[-1]), out.taps.dtype).at[grid].set(
             out.taps, mode="drop").reshape(R, W, -1)
         dc = extend_context(dparams, tcfg, shape.dcfg, dc, taps, s.length[:, None] + jw,
                             (jw <= k[:, None]) & s.active[:, None])
+    elif dc is not None:  # no proposal: each anchor's features (flat token i) wait for the next
+        slot = jnp.where(valid, row, R)
+        pending = pending.replace(
+            taps=pending.taps.at[slot, pending.count[row]].set(
+                out.taps.astype(pending.taps.dtype), mode="drop"),
+            count=pending.count + s.active)
     slots = s.replace(active=s.active & (finish == RUNNING),
                       length=jnp.where(s.active, new_length, s.length),
                       anchor=jnp.where(s.active, nxt, s.anchor),
                       generated=s.generated + count)
     no_conf = jnp.zeros((R, 0), jnp.float32)
-    return state.replace(slots=slots, target_cache=out.cache, draft_cache=dc), RoundOutput(
+    state = state.replace(slots=slots, target_cache=out.cache, draft_cache=dc, pending=pending)
+    return state, RoundOutput(
         tokens=tokens, count=count, verified=ell, accepted=k, finish=finish, was_active=s.active,
         conf_logits=no_conf if draft is None else draft.conf_logits,
         survival=no_conf if draft is None else draft.survival).pack()
 
 
+def flush_round(shape: EngineShape, state: EngineState, tparams, dparams) -> EngineState:
+    """Projects the held-back features now: the host dispatches it before a slot's buffer of
+    PENDING positions could overflow (after that many rounds without a proposal in a row)."""
+    return flush_pending(shape, state, dparams, jnp.bool_(True))
+
+
 def plain_round(shape: EngineShape, bucket: int, state: EngineState, tparams, dparams):
-    """No proposal: every active slot's anchor is verified (plain target decoding); the drafter's
-    context, if any, still gains the committed token's features."""
+    """No proposal: every active slot's anchor is verified (plain target decoding); with a
+    drafter, the committed token's features are held back for its context (PendingContext)."""
     return verify_and_commit(shape, bucket, state, tparams, dparams, None,
                              jnp.zeros((shape.slots,), jnp.int32))
 
@@ -206,6 +245,7 @@ def plain_round(shape: EngineShape, bucket: int, state: EngineState, tparams, dp
 def scheduled_round(shape: EngineShape, bucket: int, state: EngineState, tparams, dparams):
     """fixed / threshold: ℓ_r per request on the device; the bucket holds every active anchor plus
     the scheduler's most drafts."""
+    state = flush_pending(shape, state, dparams)
     draft = propose_stage(shape, state, tparams, dparams)
     ell = schedule(shape.scheduler, draft.confidence)
     if shape.scheduler.bucket_fill:
@@ -217,6 +257,7 @@ def scheduled_round(shape: EngineShape, bucket: int, state: EngineState, tparams
 def topk_round(shape: EngineShape, bucket: int, state: EngineState, tparams, dparams):
     """async: the bucket (chosen on the host from earlier rounds) is filled by every active anchor
     and the bucket - n candidates with the highest current survival."""
+    state = flush_pending(shape, state, dparams)
     draft = propose_stage(shape, state, tparams, dparams)
     s = state.slots
     order, a_sorted = candidate_order(draft.survival, room(shape, s))
@@ -228,6 +269,7 @@ def greedy_plan(shape: EngineShape, state: EngineState, tparams, dparams, sps: j
                 ) -> GreedyPlan:
     """Algorithm 1 on this round's proposal; the host reads `tokens` (B) to pick the bucket.
     sps [B_max + 1]: the profiled steps per second of a verification of B tokens."""
+    state = flush_pending(shape, state, dparams)  # a copy: greedy_verify flushes the real one
     draft = propose_stage(shape, state, tparams, dparams)
     s = state.slots
     order, a_sorted = candidate_order(draft.survival, room(shape, s))
@@ -241,6 +283,7 @@ def greedy_verify(shape: EngineShape, bucket: int, state: EngineState, tparams, 
                   plan: GreedyPlan):
     """Verifies the plan in `bucket`; with bucket fill the padding takes the next candidates in
     the same order (the bucket was decided by candidates ranked before them)."""
+    state = flush_pending(shape, state, dparams)
     ell = plan.ell
     if shape.scheduler.bucket_fill:  # greedy's own choice is a prefix of the same order
         ell = admit_first(plan.order, plan.a_sorted, bucket - jnp.sum(state.slots.active),

@@ -15,6 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.models.layers import sample_inverse_cdf
+
 # Stages of one position's randomness (`row_keys`).
 FIRST_TOKEN, PROPOSE, ACCEPT = 0, 1, 2
 
@@ -58,7 +60,6 @@ def row_keys(base: jax.Array, seeds: jax.Array, positions: jax.Array, stage: int
 
 
 def sample(keys: jax.Array, probs: jax.Array) -> jax.Array:
-    """int32 token ids [R] drawn from probabilities [R, V], row r with keys[r] (exact zeros are
-    never drawn)."""
-    logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
-    return jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
+    """int32 token ids [R] drawn from probabilities [R, V], row r with keys[r], by inverse CDF
+    (one random number per row; exact zeros are never drawn)."""
+    return sample_inverse_cdf(probs, jax.vmap(lambda k: jax.random.uniform(k, ()))(keys))

@@ -20,10 +20,11 @@ from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.decoding.acceptance import accept
 from dspark_jax.decoding.schedulers import SchedulerConfig
 from dspark_jax.models.drafter import DraftCache
-from dspark_jax.models.target import KVCache
+from dspark_jax.models.target import KVCache, param_dtype
 from dspark_jax.sharding import logical_to_spec
 
 RUNNING, STOP, LENGTH, CONTEXT = 0, 1, 2, 3
+PENDING = 16  # committed positions a slot may hold back from the drafter's context (see below)
 FINISH_REASONS = {STOP: "stop", LENGTH: "length", CONTEXT: "context"}
 NO_STOP = -1  # padding of the stop-id table
 
@@ -73,10 +74,22 @@ class Slots:
 
 
 @struct.dataclass
+class PendingContext:
+    """Target features of tokens committed by rounds without a proposal, not yet projected into the
+    drafter's context cache: a round without a proposal only stores them, and the next proposal
+    projects them all at once (or `flush_round`, which the host dispatches before a buffer can
+    overflow), so that a plain round costs what plain decoding costs."""
+
+    taps: jax.Array  # [R, PENDING, m*d] target dtype
+    count: jax.Array  # [R] int32: they hold positions length - count .. length - 1
+
+
+@struct.dataclass
 class EngineState:
     slots: Slots
     target_cache: KVCache
     draft_cache: DraftCache | None
+    pending: PendingContext | None  # with a drafter
     key: jax.Array  # the engine's base key; never advanced (streams are per request and position)
 
 
@@ -119,10 +132,15 @@ def init_state(shape: EngineShape, seed: int, mesh: Mesh | None = None) -> Engin
                   max_new=np.zeros(R, np.int32), temperature=np.zeros(R, np.float32),
                   top_p=np.ones(R, np.float32), top_k=np.zeros(R, np.int32),
                   seed=np.zeros(R, np.uint32), stop_ids=np.full((R, NS), NO_STOP, np.int32))
-    draft = (DraftCache.create(shape.tcfg, shape.dcfg, R, shape.max_len)
-             if shape.dcfg else None)
+    draft = pending = None
+    if shape.dcfg:
+        tcfg = shape.tcfg
+        draft = DraftCache.create(tcfg, shape.dcfg, R, shape.max_len)
+        pending = PendingContext(
+            taps=np.zeros((R, PENDING, tcfg.num_taps * tcfg.hidden_size), param_dtype(tcfg)),
+            count=np.zeros(R, np.int32))
     state = EngineState(slots=slots, target_cache=KVCache.create(shape.tcfg, R, shape.max_len),
-                        draft_cache=draft, key=jax.random.key(seed))
+                        draft_cache=draft, pending=pending, key=jax.random.key(seed))
     if mesh is None:
         return jax.tree.map(jnp.asarray, state)
     cache = NamedSharding(mesh, logical_to_spec(

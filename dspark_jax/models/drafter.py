@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dspark_jax.config import DrafterConfig, TargetConfig
-from dspark_jax.models.layers import NEG_INF, project_qkv, rms_norm, rope, swiglu
+from dspark_jax.models.layers import NEG_INF, project_qkv, rms_norm, rope, sample_inverse_cdf, swiglu
 from dspark_jax.models.target import lm_head, target_spec
 from dspark_jax.params import ArrayInfo
 
@@ -342,18 +342,17 @@ def propose(dparams, target_params, tcfg: TargetConfig, dcfg: DrafterConfig, cac
 
     def step(carry, xs):
         prev, state = carry
-        h_k, base_k, key_k = xs
+        h_k, base_k, u_k = xs
         bias, conf, state = head_step(dparams, dcfg, h_k, prev, state)
         logits = base_k if bias is None else base_k + bias
         probs = draft_distribution(logits, temperature)
-        logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
-        sampled = jax.vmap(jax.random.categorical)(key_k, logp)
+        sampled = sample_inverse_cdf(probs, u_k)
         token = jnp.where(temperature <= 0, jnp.argmax(logits, -1), sampled).astype(jnp.int32)
         conf = jnp.zeros((B,), jnp.float32) if conf is None else conf
         return (token, state), (token, probs, conf)
 
-    step_keys = jax.vmap(lambda k: jax.random.split(k, T))(keys)  # [B, T]
-    xs = (jnp.moveaxis(h, 1, 0), jnp.moveaxis(base, 1, 0), jnp.moveaxis(step_keys, 1, 0))
+    u = jax.vmap(lambda k: jax.random.uniform(k, (T,)))(keys)  # [B, T]: one number per draft
+    xs = (jnp.moveaxis(h, 1, 0), jnp.moveaxis(base, 1, 0), u.T)
     init = (anchor.astype(jnp.int32), head_init_state(dcfg, (B,)))
     _, (tokens, probs, conf) = jax.lax.scan(step, init, xs)
     return Proposal(tokens=tokens.T, probs=jnp.moveaxis(probs, 0, 1), conf_logits=conf.T,

@@ -60,3 +60,14 @@ def project_qkv(x_btd, layer, eps: float):
     k = rms_norm(jnp.einsum("btd,dkh->btkh", x_btd, layer["wk"]), layer["k_norm"], eps)
     v = jnp.einsum("btd,dkh->btkh", x_btd, layer["wv"])
     return q, k, v
+
+
+def sample_inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
+    """int32 ids [...] drawn from probabilities [..., V] with one uniform u [...] in [0, 1) per row:
+    the first token whose cumulative probability exceeds u times the total. One random number per
+    draw instead of one per vocabulary entry; tokens of probability 0 are never drawn."""
+    cdf = jnp.cumsum(probs, axis=-1)
+    idx = jnp.sum(cdf <= (u * cdf[..., -1])[..., None], axis=-1)
+    V = probs.shape[-1]
+    last = V - 1 - jnp.argmax(jnp.flip(probs > 0, -1), axis=-1)  # rounding can overshoot the end
+    return jnp.minimum(idx, last).astype(jnp.int32)
