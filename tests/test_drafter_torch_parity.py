@@ -147,9 +147,9 @@ def case(request, target, tmp_path_factory):
     prop_fn = jax.jit(drafter.propose, static_argnums=(2, 3))
     anchor, anchor_pos = jnp.asarray(target["anchor"]), jnp.full((B,), PROMPT_LEN)
     greedy = prop_fn(dp, tp, tcfg, dcfg, cache, anchor, anchor_pos, jnp.zeros((B,)),
-                     jax.random.key(1))
+                     jax.random.split(jax.random.key(1), B))
     sampled = prop_fn(dp, tp, tcfg, dcfg, cache, anchor, anchor_pos, jnp.ones((B,)),
-                      jax.random.key(2))
+                      jax.random.split(jax.random.key(2), B))
 
     # Torch reference on its own target's features.
     with torch.no_grad():
