@@ -1,7 +1,7 @@
 """Profile the engine's round time for every verification bucket (SPS, DESIGN §5).
 
     python -m serve.profile --target DIR --drafter DIR --out FILE [--slots R] [--max-len S]
-        [--context N] [--trials 5] [--min-ms 30]
+        [--context N] [--trials 5] [--min-ms 60]
 
 Fills every slot with a prompt of --context tokens (default: a quarter of the context), then times the
 real engine's round with a proposal (propose, fill the bucket, verify, commit) for every
@@ -27,7 +27,7 @@ def parse_args(argv):
     ap.add_argument("--context", type=int, default=0,
                     help="cached positions per slot (0: a quarter of the context)")
     ap.add_argument("--trials", type=int, default=5)
-    ap.add_argument("--min-ms", type=float, default=30.0, help="timed milliseconds per trial")
+    ap.add_argument("--min-ms", type=float, default=60.0, help="timed milliseconds per trial")
     args = ap.parse_args(argv)
     problems = cli.engine_flag_problems(args)
     if args.context < 0 or args.min_ms < 0 or args.trials < 1:

@@ -13,12 +13,9 @@ drafter the same engine runs plain target decoding (ℓ = 0: each round verifies
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 import os
 import time
-import zlib
 from collections import deque
 from typing import Any, Callable, Iterable
 
@@ -33,6 +30,7 @@ from dspark_jax.decoding import rounds
 from dspark_jax.decoding.acceptance import accept
 from dspark_jax.decoding.metrics import Tally
 from dspark_jax.decoding.policies import bucket_for, make_policy
+from dspark_jax.decoding.requests import Request, Result
 from dspark_jax.decoding.schedulers import SchedulerConfig
 from dspark_jax.decoding.state import (
     FINISH_REASONS,
@@ -61,50 +59,6 @@ class _CompileCounter:
 
 
 jax.monitoring.register_event_duration_secs_listener(_CompileCounter.on_event)
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-    id: str
-    prompt_ids: tuple[int, ...]
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop_ids: tuple[int, ...] = ()
-    seed: int | None = None  # the request's random stream; None: derived from its id
-
-    def __post_init__(self):
-        problems = []
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
-            problems.append(f"temperature {self.temperature!r} must be a finite number >= 0")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            problems.append(f"top_p {self.top_p!r} must be in (0, 1]")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            problems.append(f"top_k {self.top_k!r} must be an integer >= 0 (0 = off)")
-        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2 ** 32):
-            problems.append(f"seed {self.seed!r} must be an integer in [0, 2^32)")
-        if problems:
-            raise DSparkError(f"request {self.id}: " + "; ".join(problems))
-
-    @property
-    def stream(self) -> int:
-        """uint32 seed of this request's random stream: its own, else a stable hash of its id."""
-        return self.seed if self.seed is not None else zlib.crc32(str(self.id).encode())
-
-
-@dataclasses.dataclass
-class Result:
-    id: str
-    token_ids: list[int]
-    finish_reason: str
-    accepted: list[int]  # tokens committed in each round (the first comes from prefill)
-    verified: list[int]  # drafts verified in each round
-    # With generate(..., keep_confidences=True), per round: the raw confidence logits [γ] of the
-    # block (empty for a round without a proposal) and k, the drafts accepted before any cut.
-    conf_logits: list[list[float]] = dataclasses.field(default_factory=list)
-    drafts_accepted: list[int] = dataclasses.field(default_factory=list)
 
 
 class Engine:
@@ -280,40 +234,21 @@ class Engine:
                 self._program(("prefill", J, P))
         for key in self.policy.programs():
             self._program(key)
-        if self.scheduler.load_aware and self.dcfg is not None and self.profile is None:
-            self._load_profile()
         self._warm = True
+        if self.scheduler.load_aware and self.dcfg is not None and self.profile is None:
+            self._load_profile()  # may measure: through `generate` too, so after warm-up
         self.compilations += _CompileCounter.count - before
         return time.perf_counter() - t
 
     # ------------------------------------------------------------------ SPS profile
 
     def _load_profile(self) -> None:
-        """The given profile (checked), else a valid cached one, else one measured now."""
-        key = sps_profile.engine_key(self)
-        if self._sps_arg is not None:
-            given = self._sps_arg
-            prof = given if isinstance(given, sps_profile.SpsProfile) else sps_profile.load(given)
-            where = "the SPS profile" if isinstance(given, sps_profile.SpsProfile) else str(given)
-            sps_profile.check(prof, key, self.spec_buckets, self.plain_buckets, where)
-            return self.use_profile(prof, where)
-        cached = sps_profile.cache_path(key)
-        if self._cache_profile and cached.is_file():
-            try:
-                prof = sps_profile.load(cached)
-                sps_profile.check(prof, key, self.spec_buckets, self.plain_buckets, str(cached))
-                return self.use_profile(prof, f"cache {cached}")
-            except sps_profile.ProfileError:
-                pass  # stale or damaged: measure again below
-        prof = sps_profile.measure(self)
-        if self._cache_profile:
-            sps_profile.save(prof, cached)
-        self.use_profile(prof, "measured at start-up"
-                         + (f", cached in {cached}" if self._cache_profile else ""))
+        self.use_profile(*sps_profile.resolve(self, self._sps_arg, self._cache_profile))
 
     def use_profile(self, prof: sps_profile.SpsProfile, source: str) -> None:
-        self.profile, self.profile_source = prof, source
-        self.sps_array = jnp.asarray(prof.sps_table(self.R * self.W), jnp.float32)
+        """Schedules by `prof` (as whole round costs: `SpsProfile.round_seconds`)."""
+        self.profile, self.profile_source = prof.round_seconds(), source
+        self.sps_array = jnp.asarray(self.profile.sps_table(self.R * self.W), jnp.float32)
 
     # ------------------------------------------------------------------ host loop
 
@@ -343,6 +278,11 @@ class Engine:
         """Decodes all requests with continuous batching; calls `on_result` as each finishes.
         Returns the run's metrics.
 
+        A collection of requests is checked whole before anything runs. An iterator (a generator)
+        is pulled lazily, as slots free, each request checked when pulled; it may yield None for
+        "nothing ready yet" (say a conversation's next turn waits for its previous turn's
+        `on_result`) and is asked again after the next round.
+
         The host keeps one round in flight: it dispatches round t+1 before reading round t's
         tokens, so reading results, streaming them and admitting requests overlap device work. A
         slot that finished in round t is already inactive on the device in round t+1; it is freed
@@ -350,9 +290,11 @@ class Engine:
         """
         if not self._warm:
             self.warmup()
-        queue = deque(requests)
-        for req in queue:
-            self.check_request(req)
+        if iter(requests) is not requests:
+            requests = list(requests)
+            for req in requests:
+                self.check_request(req)
+        source, queue, exhausted = iter(requests), deque(), False
         free = list(range(self.R))[::-1]
         live: dict[int, Result] = {}  # slots the host has not seen finish (a superset of active)
         serving: dict[int, Request] = {}
@@ -396,8 +338,26 @@ class Engine:
                 if out.finish[slot] != RUNNING:
                     finish(slot, FINISH_REASONS[int(out.finish[slot])])
 
+        def pull():
+            """Tops the queue up to one past the free slots, so its end is seen when admitting."""
+            nonlocal exhausted
+            while not exhausted and len(queue) <= len(free):
+                req = next(source, _END)
+                if req is None:
+                    break
+                if req is _END:
+                    exhausted = True
+                else:
+                    self.check_request(req)
+                    queue.append(req)
+
         mark = _CompileCounter.count
-        while queue or live or events:
+        while True:
+            pull()
+            if not (queue or live or events):
+                if exhausted:
+                    break
+                raise DSparkError("the request iterator has nothing ready and nothing is decoding")
             # Admit into free slots: group joiners by prompt bucket, up to the largest batch bucket.
             joiners = []
             while queue and free:
@@ -409,7 +369,7 @@ class Engine:
                 self.policy.admitted(slot)
             for chunk in self.prefill_chunks(joiners):
                 events.append(("prefill", (chunk, self.prefill(chunk))))
-            if not queue and joiners:
+            if exhausted and not queue and joiners:
                 tally.queue_empty()
             in_flight = 0
             if live:
@@ -424,6 +384,9 @@ class Engine:
         return {**tally.summary(), "compilations": self.compilations,
                 "compilations_after_warmup": self.compilations_after_warmup,
                 "scheduler": self.scheduler.describe(self.gamma) if self.dcfg else "plain"}
+
+
+_END = object()  # the end of a request iterator
 
 
 def _powers_of_two(lo: int, hi: int) -> list[int]:

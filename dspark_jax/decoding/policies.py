@@ -17,6 +17,9 @@ from dspark_jax.decoding.state import PENDING
 # async: a round with a proposal at least this often, so that survival estimates stay current even
 # when plain rounds win (a bounded cost: one round in PROBE_EVERY).
 PROBE_EVERY = 64
+# async: a decision stands for this many rounds unless a request joins or leaves (the survival
+# estimates move slowly; searching every round costs the host more than it gains on small rounds).
+REDECIDE_EVERY = 4
 
 
 def bucket_for(n: int, buckets: list[int]) -> int:
@@ -82,13 +85,15 @@ class AsyncPolicy(Policy):
 
     Each live request's estimate is the survival its last read proposal predicted, rescaled per
     block position by how often such predictions came true lately (observed / predicted prefix
-    survival over the verified drafts, decayed by DECAY a round). The budget then follows the
+    survival over the verified drafts, decayed by DECAY a round, PRIOR pseudo-drafts at the head's
+    word). The budget then follows the
     tokens rounds really commit even when the confidence head is miscalibrated; the ranking
     inside a round still uses the round's own (calibrated) survival. Everything here comes from
     rounds already committed, so it cannot bias the output.
     """
 
     DECAY = 0.98
+    PRIOR = 8.0
 
     def __init__(self, engine):
         super().__init__(engine)
@@ -99,15 +104,17 @@ class AsyncPolicy(Policy):
         self.observed = np.zeros(gamma)  # decayed Σ 1[draft j survived] over the same
         self.since_spec = 0  # rounds since the last proposal
         self.plain_run = 0  # rounds without a proposal since the held-back features were projected
-        self.last = None  # the last decision; a plain one stands until something changes
+        self.last = None  # (kind, bucket, live count) of the last decision
+        self.age = 0  # rounds it has been used for
         self.table = None  # (profile, BucketTable of the compiled buckets)
 
     def programs(self):
         return super().programs() + [("topk", F) for F in self.engine.spec_buckets] + [("flush",)]
 
     def correction(self) -> np.ndarray:
-        """[γ] observed / predicted prefix survival (1 where nothing was verified yet)."""
-        return np.where(self.predicted > 1e-3, self.observed / np.maximum(self.predicted, 1e-3), 1.0)
+        """[γ] observed / predicted prefix survival, pulled towards 1 (the head's own word) by
+        PRIOR drafts' worth of pseudo-observations, so that a few unlucky rounds cannot zero it."""
+        return (self.observed + self.PRIOR) / (self.predicted + self.PRIOR)
 
     def dispatch(self, live, rooms):
         e = self.engine
@@ -115,9 +122,11 @@ class AsyncPolicy(Policy):
             e.flush()
             self.plain_run = 0
         n = len(live)
-        if self.last != ("plain", n) or self.since_spec >= PROBE_EVERY:
-            self.last = self.choose(live, rooms())
-        kind, F = self.last
+        if self.last is None or self.last[2] != n or self.age >= REDECIDE_EVERY or \
+                self.since_spec >= PROBE_EVERY:
+            self.last, self.age = (*self.choose(live, rooms()), n), 0
+        self.age += 1
+        kind, F, _ = self.last
         if kind == "plain":
             self.since_spec += 1
             self.plain_run += 1
@@ -139,7 +148,7 @@ class AsyncPolicy(Policy):
 
     def admitted(self, slot):
         self.estimates[slot] = self.prior
-        self.last = None
+        self.last = None  # a new request: decide again
 
     def observe(self, out, live):
         active = np.flatnonzero(out.was_active)
@@ -153,7 +162,6 @@ class AsyncPolicy(Policy):
         self.observed = self.DECAY * self.observed + survived.sum(0)
         self.estimates[active] = a
         self.prior = a.mean(0)
-        self.last = None
 
 
 def make_policy(engine) -> Policy:

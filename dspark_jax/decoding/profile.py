@@ -4,7 +4,7 @@ A profile is a small JSON table keyed by what it was measured on (target and dra
 context, device kind and count); the load-aware schedulers read steps per second, SPS(B) =
 1 / seconds of the bucket that B tokens pad up to. Two kinds of round are timed: `spec` (propose,
 fill the bucket, verify, commit) for every verification bucket, and `plain` (no proposal: anchors
-only) for every anchor bucket. `Engine.profile_rounds` measures; this module names, validates,
+only) for every anchor bucket; plus the host loop's own time per round, which every round pays. `Engine.profile_rounds` measures; this module names, validates,
 stores and caches.
 """
 
@@ -21,9 +21,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from dspark_jax.decoding.requests import Request
 from dspark_jax.errors import DSparkError
 
-FORMAT, VERSION = "dspark-sps", 2
+FORMAT, VERSION = "dspark-sps", 3
 # What a profile must match to be used: the rest of `measured_on` is informative.
 MATCH_KEYS = ("target", "drafter", "slots", "max_len", "device_kind", "devices")
 
@@ -38,12 +39,23 @@ class SpsProfile:
     spec: dict[int, float]  # verification bucket F -> seconds per round
     plain: dict[int, float]  # anchor bucket F -> seconds per round (no proposal)
     rounds: int = 0  # timed rounds per trial (median)
+    host_seconds: float = 0.0  # the host loop's own time per round, on top of every entry
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "measured_on": self.measured_on,
-                "rounds_per_trial": self.rounds,
+                "rounds_per_trial": self.rounds, "host_seconds_per_round": self.host_seconds,
                 "seconds": {"spec": {str(F): t for F, t in sorted(self.spec.items())},
                             "plain": {str(F): t for F, t in sorted(self.plain.items())}}}
+
+    def round_seconds(self) -> "SpsProfile":
+        """What a round costs the running engine: each entry plus the host loop's time per round,
+        made non-decreasing in the bucket size by pool-adjacent-violators (least squares; a bigger
+        verification never costs less, and on a noisy machine a smaller bucket that measured
+        slower would steer the schedulers)."""
+        def total(table):
+            return _isotonic({F: t + self.host_seconds for F, t in table.items()})
+        return dataclasses.replace(self, spec=total(self.spec), plain=total(self.plain),
+                                   host_seconds=0.0)
 
     def sps_table(self, largest: int) -> list[float]:
         """SPS(B) for B = 0..largest: 1 / seconds of the smallest spec bucket >= B, 0 past the
@@ -54,6 +66,19 @@ class SpsProfile:
             F = next((F for F in buckets if F >= B), None)
             table.append(0.0 if F is None else 1.0 / self.spec[F])
         return table
+
+
+def _isotonic(table: dict[int, float]) -> dict[int, float]:
+    """Non-decreasing least-squares fit of {bucket: seconds} (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [sum, count] of pooled runs, in bucket order
+    for F in sorted(table):
+        blocks.append([table[F], 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    fitted = [total / count for total, count in blocks for _ in range(int(count))]
+    return dict(zip(sorted(table), fitted))
 
 
 def measured_on(tcfg, dcfg, slots: int, max_len: int, context: int, mesh_shape: dict | None
@@ -80,7 +105,7 @@ def engine_key(engine, context: int | None = None) -> dict:
                        default_context(engine) if context is None else context, mesh)
 
 
-def measure(engine, trials: int = 5, min_seconds: float = 0.03, context: int | None = None
+def measure(engine, trials: int = 5, min_seconds: float = 0.06, context: int | None = None
             ) -> SpsProfile:
     """Times the engine's spec round (propose, fill, verify, commit) for every verification bucket
     and its plain round for every anchor bucket, on all slots filled with `context` cached
@@ -88,7 +113,6 @@ def measure(engine, trials: int = 5, min_seconds: float = 0.03, context: int | N
     engine's loop does (one in flight, each read back and unpacked on the host while the next
     runs) until `min_seconds` have passed or the context is full; the median over trials of the
     mean round time. Leaves the engine's slots empty."""
-    from dspark_jax.decoding.engine import Request  # the engine imports this module
 
     context = default_context(engine) if context is None else context
     most = (engine.S - 1 - context) // engine.W - 2  # timed rounds that fit after the untimed two
@@ -121,9 +145,37 @@ def measure(engine, trials: int = 5, min_seconds: float = 0.03, context: int | N
                 means.append((time.perf_counter() - t0) / n)
                 rounds_timed.append(n)
             seconds[kind][F] = float(np.median(means))
+    host = loop_overhead(engine, fillers, seconds["plain"][engine.plain_buckets[-1]], trials)
     engine.reset()
     return SpsProfile(measured_on=engine_key(engine, context), spec=seconds["spec"],
-                      plain=seconds["plain"], rounds=int(np.median(rounds_timed)))
+                      plain=seconds["plain"], rounds=int(np.median(rounds_timed)),
+                      host_seconds=host)
+
+
+def loop_overhead(engine, fillers, plain_seconds: float, trials: int) -> float:
+    """Seconds the engine's host loop adds to every round beyond what `measure` times (admission,
+    per-request bookkeeping, the policy): `generate` on full slots with plain rounds, once with a
+    few rounds and once with more, differenced so that prefill and start-up cancel, less the
+    plain round's own time. Never negative."""
+    import dataclasses as dc
+
+    from dspark_jax.decoding.policies import Policy  # plain rounds whatever the scheduler
+
+    context = len(fillers[0][1].prompt_ids)
+    few, more = 4, 4 + max(4, min(48, engine.S - context - 8))
+    saved, engine.policy = engine.policy, Policy(engine)
+    try:
+        per_round = []
+        for _ in range(trials):
+            runs = []
+            for n in (few, more):
+                m = engine.generate([dc.replace(r, max_new_tokens=n) for _, r in fillers])
+                runs.append((m["elapsed_s"], m["rounds"]))
+            (t1, r1), (t2, r2) = runs
+            per_round.append((t2 - t1) / max(r2 - r1, 1))
+    finally:
+        engine.policy = saved
+    return max(0.0, float(np.median(per_round)) - plain_seconds)
 
 
 def _read(packed) -> None:
@@ -177,7 +229,8 @@ def load(path: str | os.PathLike) -> SpsProfile:
             parsed[int(F)] = float(t)
         tables[kind] = parsed
     return SpsProfile(measured_on=obj["measured_on"], spec=tables["spec"], plain=tables["plain"],
-                      rounds=int(obj.get("rounds_per_trial", 0)))
+                      rounds=int(obj.get("rounds_per_trial", 0)),
+                      host_seconds=float(obj.get("host_seconds_per_round", 0.0)))
 
 
 def check(profile: SpsProfile, expected: dict, spec_buckets, plain_buckets, where: str) -> None:
@@ -205,6 +258,31 @@ def cache_path(expected: dict) -> Path:
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dspark-jax" / "sps"
     key = json.dumps({k: expected.get(k) for k in MATCH_KEYS + ("context",)}, sort_keys=True)
     return root / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def resolve(engine, given: "SpsProfile | str | os.PathLike | None", use_cache: bool
+            ) -> tuple[SpsProfile, str]:
+    """The engine's profile and where it came from: `given` (a profile or a path; checked), else a
+    valid cached one, else one measured now (and cached when `use_cache`)."""
+    key = engine_key(engine)
+    buckets = (engine.spec_buckets, engine.plain_buckets)
+    if given is not None:
+        prof = given if isinstance(given, SpsProfile) else load(given)
+        where = "the SPS profile" if isinstance(given, SpsProfile) else str(given)
+        check(prof, key, *buckets, where)
+        return prof, where
+    cached = cache_path(key)
+    if use_cache and cached.is_file():
+        try:
+            prof = load(cached)
+            check(prof, key, *buckets, str(cached))
+            return prof, f"cache {cached}"
+        except ProfileError:
+            pass  # stale or damaged: measure again below
+    prof = measure(engine)
+    if use_cache:
+        save(prof, cached)
+    return prof, "measured at start-up" + (f", cached in {cached}" if use_cache else "")
 
 
 def _normal(value):
