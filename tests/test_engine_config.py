@@ -195,3 +195,15 @@ def test_rounds_without_a_proposal_still_build_the_drafters_context(engine_pair)
                       (state.draft_cache.v, eager.state.draft_cache.v)):
         np.testing.assert_allclose(jax.device_get(got)[:, 0, :n], jax.device_get(want)[:, 0, :n],
                                    atol=1e-5, rtol=1e-5)
+
+
+def test_round_seconds_add_the_host_loop_and_never_fall_with_the_bucket():
+    """What the schedulers see: each round's time plus the host's, fitted non-decreasing in the
+    bucket (least squares: an inversion pools to its mean, an ordered table is kept)."""
+    prof = profile.SpsProfile(measured_on={}, spec={2: 1.0, 4: 3.0, 8: 2.0, 16: 5.0},
+                              plain={1: 0.5, 2: 0.7}, host_seconds=0.25)
+    seen = prof.round_seconds()
+    assert seen.spec == {2: 1.25, 4: 2.75, 8: 2.75, 16: 5.25}
+    assert seen.plain == {1: 0.75, 2: 0.95}
+    assert seen.host_seconds == 0.0 and prof.spec[4] == 3.0  # a new profile; the measured one stays
+    assert seen.sps_table(16)[5] == pytest.approx(1 / 2.75)

@@ -129,13 +129,22 @@ def _check_record(z, verified, accepted) -> tuple[np.ndarray, np.ndarray, np.nda
     return z, ell.astype(np.int64), k.astype(np.int64)
 
 
-# ---------------------------------------------------------------------------------------------
-# Sequential Temperature Scaling
+def _check_scored(z, verified, accepted, temperatures):
+    """`_check_record` plus temperatures [γ]; returns (z, observed, outcome, temperatures)."""
+    z, ell, k = _check_record(z, verified, accepted)
+    temperatures = np.asarray(temperatures, np.float64)
+    if temperatures.shape != (z.shape[1],):
+        raise CalibrationError(f"{temperatures.size} temperatures for logits of γ={z.shape[1]}")
+    return (z, *observations(ell, k, z.shape[1]), temperatures)
 
 
 def default_grid() -> np.ndarray:
     """400 log-spaced temperatures in [0.05, 20], plus exactly 1.0 (the identity)."""
     return np.unique(np.append(np.geomspace(0.05, 20.0, 400), 1.0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Sequential Temperature Scaling
 
 
 def fit_sts(z, verified, accepted, grid=None, bins: int = 10) -> np.ndarray:
@@ -176,12 +185,8 @@ def position_report(z, verified, accepted, temperatures, bins: int = 10) -> dict
 
     None marks a position no round verified, and an AUC where every outcome was the same.
     """
-    z, ell, k = _check_record(z, verified, accepted)
+    z, observed, outcome, temperatures = _check_scored(z, verified, accepted, temperatures)
     gamma = z.shape[1]
-    temperatures = np.asarray(temperatures, np.float64)
-    if temperatures.shape != (gamma,):
-        raise CalibrationError(f"{temperatures.size} temperatures for logits of γ={gamma}")
-    observed, outcome = observations(ell, k, gamma)
     before, after = survival(z, np.ones(gamma)), survival(z, temperatures)
     keys = ("n", "ece_before", "ece_after", "auc_before", "auc", "brier_before", "brier",
             "accept_rate")
@@ -298,12 +303,8 @@ def reliability_diagram(z, verified, accepted, temperatures, path, bins: int = 1
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    z, ell, k = _check_record(z, verified, accepted)
+    z, observed, outcome, temperatures = _check_scored(z, verified, accepted, temperatures)
     gamma = z.shape[1]
-    temperatures = np.asarray(temperatures, np.float64)
-    if temperatures.shape != (gamma,):
-        raise CalibrationError(f"{temperatures.size} temperatures for logits of γ={gamma}")
-    observed, outcome = observations(ell, k, gamma)
     curves = {"raw": survival(z, np.ones(gamma)), "STS": survival(z, temperatures)}
 
     cols = min(4, gamma)
