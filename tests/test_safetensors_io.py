@@ -251,6 +251,26 @@ def test_save_dir_single_file_and_stale_cleanup(tmp_path: pathlib.Path) -> None:
     assert len(CheckpointFiles(tmp_path).files) == 3
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_saved_files_get_the_umask_mode(tmp_path: pathlib.Path, umask: int) -> None:
+    """Weights get the mode every other new file gets (not mkstemp's 0600), single and sharded."""
+    import os
+
+    old = os.umask(umask)
+    try:
+        save_file(tmp_path / "one.safetensors", {"w": np.ones(3, np.float32)})
+        save_dir(tmp_path / "sharded", _layer_tensors(3), max_shard_bytes=64)
+        (tmp_path / "plain.txt").write_text("x")
+    finally:
+        os.umask(old)
+    want = 0o666 & ~umask
+    assert (tmp_path / "plain.txt").stat().st_mode & 0o777 == want
+    files = [tmp_path / "one.safetensors", *(tmp_path / "sharded").iterdir()]
+    assert len(files) == 5  # three shards and the index
+    for f in files:
+        assert f.stat().st_mode & 0o777 == want, f
+
+
 def test_save_dir_error_leaves_no_temp_files(tmp_path: pathlib.Path) -> None:
     def gen() -> Iterator[tuple[str, object]]:
         yield "a", np.zeros(100, np.uint8)

@@ -248,6 +248,8 @@ def _atomic_write(path: pathlib.Path, chunks: Iterable[Any]) -> None:
     """Write `chunks` (bytes-like) to `path` via temp file + fsync + rename: never half-written."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp creates the file 0600; give it the mode any other new file gets (umask applied).
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             for chunk in chunks:
                 f.write(chunk)
@@ -257,6 +259,13 @@ def _atomic_write(path: pathlib.Path, chunks: Iterable[Any]) -> None:
     except BaseException:
         pathlib.Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    """The process's umask (reading it means setting it: set straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _write(path: pathlib.Path, items: list[_Prepared], metadata: Mapping[str, str] | None) -> None:
