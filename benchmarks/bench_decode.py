@@ -63,7 +63,8 @@ def main():
     from dspark_jax.decoding.engine import Engine, Request
     from dspark_jax.decoding.schedulers import SchedulerConfig
     from dspark_jax.formats import deepspec
-    from dspark_jax.formats.tokenizer import load_prompts, load_tokenizer
+    from dspark_jax.formats.records import load_prompts
+    from dspark_jax.formats.tokenizer import load_tokenizer
     tcfg, tparams, dcfg, dparams = deepspec.load_pair(pair / "target", pair / "drafter")
     tok = load_tokenizer(pair / "target")
     prompts = load_prompts(pair / "data/prompts.jsonl", tok)

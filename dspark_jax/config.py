@@ -159,6 +159,8 @@ class TrainConfig:
     tokenizer_dir: str = ""  # "" = target_dir
     workdir: str = "runs/drafter"
     max_length: int = 4096
+    # Handed to the chat template when rendering training conversations; None = not passed (DeepSpec).
+    enable_thinking: bool | None = None
     global_batch_size: int = 512
     epochs: float = 10.0
     max_steps: int = 0  # > 0 overrides epochs

@@ -119,7 +119,7 @@ def read_requests(path: Path, tokenizer, check, *, max_new_tokens: int, temperat
     reported on stderr with its file and line and skipped. `check(request)` raises for a request
     the engine cannot serve."""
     from dspark_jax.decoding.engine import Request
-    from dspark_jax.formats.tokenizer import encode_prompt_record, iter_jsonl
+    from dspark_jax.formats.records import encode_prompt_record, iter_jsonl
 
     requests, texts, errors, seen = [], {}, [], set()
     path = Path(path)

@@ -12,15 +12,12 @@ import pytest
 from jax.sharding import Mesh
 
 from dspark_jax.errors import ConfigError, DataError
-from dspark_jax.formats.tokenizer import (
-    Tokenizer,
-    encode_training_record,
-    load_tokenizer,
-    train_bpe_tokenizer,
-)
+from dspark_jax.formats.records import encode_training_record
+from dspark_jax.formats.tokenizer import Tokenizer, load_tokenizer, train_bpe_tokenizer
 from dspark_jax.training.data import (
     BatchIterator,
     Dataset,
+    is_too_short,
     load_conversations,
     make_global_batch,
     sample_anchors,
@@ -55,7 +52,9 @@ def write_records(path: Path, records: list) -> Path:
 
 
 def chat(user: str, assistant: str) -> dict:
-    return {"conversations": [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]}
+    """A one-exchange record with a short system message of its own (no default system prompt)."""
+    return {"conversations": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": user},
+                              {"role": "assistant", "content": assistant}]}
 
 
 def iterator(ds: Dataset, **kwargs) -> BatchIterator:
@@ -84,7 +83,10 @@ def test_loss_mask_only_on_assistant(tok: Tokenizer, tmp_path: Path) -> None:
     ds = load_conversations(write_records(tmp_path / "a.jsonl", [record]), tok, max_length=200, min_length=5)
     ids, mask = ds.input_ids[0], ds.loss_masks[0]
     assert ids.dtype == np.int32 and mask.dtype == np.bool_ and ids.shape == mask.shape
-    assert tok.decode(ids[mask], skip_special_tokens=False) == "3 4 5 6 7 8 9<|im_end|>lamp lamp lamp<|im_end|>"
+    assert tok.decode(ids[mask], skip_special_tokens=False) == "3 4 5 6 7 8 9<|im_end|>\nlamp lamp lamp<|im_end|>\n"
+    # A turns record has no system message: the template family's default one is prepended.
+    assert tok.decode(ids, skip_special_tokens=False).startswith(
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nCount from 3 to 9.")
     # Each supervised run starts right after an assistant header and ends with that turn's <|im_end|>.
     starts = np.flatnonzero(mask & ~np.concatenate([[False], mask[:-1]]))
     for start in starts:
@@ -103,51 +105,62 @@ def test_length_cap(tok: Tokenizer, tmp_path: Path) -> None:
     short = chat("Hi", "apple river stone")
     path = write_records(tmp_path / "c.jsonl", [long, short])
     full = encode_training_record(tok, long)
-    assert full is not None and len(full[0]) > 30
-    ds = load_conversations(path, tok, max_length=30, min_length=5)
-    assert [len(x) for x in ds.input_ids] == [30, len(encode_training_record(tok, short)[0])]
-    np.testing.assert_array_equal(ds.input_ids[0], full[0][:30])
-    np.testing.assert_array_equal(ds.loss_masks[0], full[1][:30])
-    assert ds.stats.truncated == 1 and ds.stats.kept == 2 and ds.max_length == 30
+    assert full is not None and len(full[0]) > 40
+    ds = load_conversations(path, tok, max_length=40, min_length=5)
+    assert [len(x) for x in ds.input_ids] == [40, len(encode_training_record(tok, short)[0])]
+    np.testing.assert_array_equal(ds.input_ids[0], full[0][:40])
+    np.testing.assert_array_equal(ds.loss_masks[0], full[1][:40])
+    assert ds.stats.truncated == 1 and ds.stats.kept == 2 and ds.max_length == 40
 
 
 def test_skip_counts(tok: Tokenizer, tmp_path: Path) -> None:
+    max_length, min_length = 40, 32
+
+    def first_supervised(record: dict) -> int:
+        return int(np.flatnonzero(encode_training_record(tok, record)[1])[0])
+
+    # A record whose cut keeps exactly one supervised token (the first of its answer).
+    one_left = next(r for r in (chat("apple " * k, "river stone") for k in range(1, 40))
+                    if first_supervised(r) == max_length - 1)
     records = [
         chat("Count from 1 to 9.", "1 2 3 4 5 6 7 8 9"),  # kept, cut to max_length
         {"turns": ["only a question"]},  # no assistant turn
         {"conversations": [{"from": "human", "value": "q"}]},  # no assistant turn
-        chat("a", ""),  # one supervised token (<|im_end|>) only: too short
-        {"turns": ["river stone", "", "garden lamp", ""]},  # two supervised tokens, not adjacent: too short
-        chat("apple " * 30, "river stone"),  # the cut removes the assistant turn: too short
-        {"turns": ["x", "y"]},  # fewer than min_length tokens: too short
+        chat("a", ""),  # fewer than min_length tokens: too short
+        one_left,  # one supervised token after the cut, no anchor: too short
+        chat("apple " * 40, "river stone"),  # the cut removes the assistant turn: too short
         chat("Repeat", "lamp lamp lamp lamp"),  # kept
     ]
-    max_length, min_length = 30, 20
     encoded = [encode_training_record(tok, r) for r in records]
     lengths = [None if e is None else len(e[0]) for e in encoded]
-    supervised = [None if e is None else int(e[1].sum()) for e in encoded]
     # The premises of the comments above, for this tokenizer.
-    assert lengths[0] > max_length and min_length <= lengths[7] <= max_length
-    assert supervised[3] == 1 and supervised[4] == 2 and lengths[4] >= min_length
+    assert lengths[0] > max_length and encoded[0][1][:max_length].sum() >= 2
+    assert min_length <= lengths[6] <= max_length
+    assert lengths[3] < min_length and encoded[3][1].sum() >= 2
     assert not encoded[5][1][:max_length].any()
-    assert lengths[6] < min_length and supervised[6] >= 2
     path = write_records(tmp_path / "s.jsonl", records)
     ds = load_conversations(path, tok, max_length=max_length, min_length=min_length)
     assert ds.stats.as_dict() == {
-        "records_read": 8,
+        "records_read": 7,
         "kept": 2,
         "skipped_no_assistant": 2,
-        "skipped_too_short": 4,
+        "skipped_too_short": 3,
         "truncated": 1,
     }
-    assert [len(x) for x in ds.input_ids] == [max_length, lengths[7]]
+    assert [len(x) for x in ds.input_ids] == [max_length, lengths[6]]
+
+
+def test_is_too_short() -> None:
+    assert is_too_short(np.array([False, True, True]), 3) is False
+    assert is_too_short(np.array([False, True, False, True]), 2) is True  # no two adjacent
+    assert is_too_short(np.array([True, True]), 3) is True  # fewer than min_length tokens
 
 
 def test_no_usable_records_names_file_and_counts(tok: Tokenizer, tmp_path: Path) -> None:
     path = write_records(tmp_path / "none.jsonl", [{"turns": ["q"]}, chat("a", ""), ""])
     pattern = rf"^{re.escape(str(path))}: no usable training records \(2 read, 1 without an assistant turn, 1 shorter"
     with pytest.raises(DataError, match=pattern):
-        load_conversations(path, tok, max_length=64, min_length=5)
+        load_conversations(path, tok, max_length=64, min_length=len(encode_training_record(tok, chat("a", ""))[0]) + 1)
 
 
 def test_malformed_line_names_file_and_line(tok: Tokenizer, tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import pytest
 from dspark_jax.decoding.engine import Engine, RecompileError, Request
 from dspark_jax.decoding.schedulers import SchedulerConfig
 from dspark_jax.errors import DSparkError
-from dspark_jax.formats.tokenizer import encode_chat_prompt
+from dspark_jax.formats.records import encode_chat_prompt
 from dspark_jax.models.drafter import drafter_spec
 
 S = 96

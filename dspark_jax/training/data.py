@@ -1,8 +1,8 @@
 """Training data: tokenized conversations, anchor sampling and deterministic sharded batches.
 
 Host-side numpy, deterministic from a seed. A :class:`Dataset` holds every usable conversation of a
-JSONL file as token ids and a loss mask (True on assistant content, see ``formats/tokenizer.py``), capped at
-``max_length`` tokens. A :class:`BatchIterator` walks seeded permutations of it, one per epoch, and
+JSONL file as token ids and a loss mask (True on what the target says, as DeepSpec builds them: see
+``formats/records.py``), cut to ``max_length`` tokens. A :class:`BatchIterator` walks seeded permutations of it, one per epoch, and
 yields this process's rows of each global batch with fixed shapes; anchors (block start positions,
 DESIGN.md §3 "Training data layout") are sampled per row. :func:`make_global_batch` turns a process's
 rows into global ``jax.Array``s.
@@ -28,7 +28,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dspark_jax.errors import ConfigError, DataError
-from dspark_jax.formats.tokenizer import END_OF_TEXT, Tokenizer, encode_training_record, read_jsonl
+from dspark_jax.formats.records import read_jsonl, training_example
+from dspark_jax.formats.tokenizer import END_OF_TEXT, Tokenizer
 
 _ANCHOR_STREAM = 1  # last SeedSequence word of the anchor streams (see module docstring)
 _STATE_KEYS = ("epoch", "position", "seed", "num_records", "lengths_sha256")
@@ -86,16 +87,19 @@ class Dataset:
         }
 
 
-def _has_anchor_candidate(loss_mask: np.ndarray) -> bool:
-    return bool((loss_mask[:-1] & loss_mask[1:]).any())
+def is_too_short(loss_mask: np.ndarray, min_length: int) -> bool:
+    """Whether a record, already cut to max_length, is too short to train on (see :class:`DatasetStats`)."""
+    return len(loss_mask) < min_length or not bool((loss_mask[:-1] & loss_mask[1:]).any())
 
 
-def load_conversations(path: str | Path, tokenizer: Tokenizer, *, max_length: int, min_length: int) -> Dataset:
+def load_conversations(path: str | Path, tokenizer: Tokenizer, *, max_length: int, min_length: int,
+                       enable_thinking: bool | None = None) -> Dataset:
     """Tokenize every ``conversations``/``turns`` record of a JSONL file (see :class:`DatasetStats`).
 
     Records longer than ``max_length`` tokens are cut to it. Training callers pass
-    ``min_length = block_size + 1``. Raises DataError naming file and line for unreadable records,
-    and naming the file and the skip counts when no record is usable.
+    ``min_length = block_size + 1``. ``enable_thinking`` is handed to the chat template when not None.
+    Raises DataError naming file and line for the first unreadable record, and naming the file and
+    the skip counts when no record is usable.
     """
     if min_length < 2:
         raise ConfigError(f"data: min_length must be >= 2 (two tokens make one anchor), got {min_length}")
@@ -106,14 +110,13 @@ def load_conversations(path: str | Path, tokenizer: Tokenizer, *, max_length: in
     read = no_assistant = too_short = truncated = 0
     for line_no, record in read_jsonl(path):
         read += 1
-        encoded = encode_training_record(tokenizer, record, where=f"{path}:{line_no}")
-        if encoded is None:
+        example = training_example(tokenizer, record, where=f"{path}:{line_no}", enable_thinking=enable_thinking)
+        if example is None:
             no_assistant += 1
             continue
-        ids, mask = encoded
-        cut = len(ids) > max_length
-        ids, mask = ids[:max_length], mask[:max_length]
-        if len(ids) < min_length or not _has_anchor_candidate(mask):
+        cut = len(example.input_ids) > max_length
+        ids, mask = example.input_ids[:max_length], example.loss_mask[:max_length]
+        if is_too_short(mask, min_length):
             too_short += 1
             continue
         truncated += cut
@@ -373,7 +376,9 @@ def write_synthetic_conversations(
 ) -> Path:
     """Write ``n`` learnable chat records (counting, repeating, cycling words) as JSONL; deterministic in ``seed``.
 
-    Some records have a system message or a second exchange, so masks cover several assistant turns.
+    Every record opens with a short system message of its own: tiny models train on 64-token rows,
+    and the default system prompt a Qwen-family template gets otherwise would fill half of each.
+    Some records have a second exchange, so masks cover several assistant turns.
     """
     if len(vocab_words) < 4:
         raise ConfigError(f"data: synthetic data needs at least 4 vocab_words, got {len(vocab_words)}")
@@ -381,9 +386,7 @@ def write_synthetic_conversations(
     path = Path(path)
     lines = []
     for i in range(n):
-        messages = []
-        if rng.random() < 0.2:
-            messages.append({"role": "system", "content": "Answer exactly."})
+        messages = [{"role": "system", "content": "Answer exactly." if rng.random() < 0.2 else "Be brief."}]
         for _ in range(2 if rng.random() < 0.25 else 1):
             user, assistant = _synthetic_exchange(rng, vocab_words)
             messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
