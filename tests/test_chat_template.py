@@ -193,3 +193,18 @@ def test_bad_tokenizer_config(config: dict, pattern: str, tmp_path: Path) -> Non
 def test_family_table(ours) -> None:
     assert ours.chat_template.family is FAMILIES["qwen"]
     assert FAMILIES["qwen"].default_system_prompt == "You are a helpful assistant."
+
+
+GEMMA4_DIR = Path(__file__).resolve().parents[2] / "shared/reference/golden/gemma4/target"
+
+
+@pytest.mark.parametrize("enable_thinking", [False, True])
+def test_golden_gemma4_template_matches_transformers(enable_thinking: bool) -> None:
+    if not (GEMMA4_DIR / "chat_template.jinja").is_file():
+        pytest.skip(f"golden Gemma4 target not found at {GEMMA4_DIR}")
+    ours, oracle = load_tokenizer(GEMMA4_DIR), AutoTokenizer.from_pretrained(GEMMA4_DIR)
+    assert ours.chat_template.family is None  # no Gemma row in FAMILIES yet: decoding only
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    for record, messages in (({"turns": ["Hello there"]}, history[1:]), ({"conversations": history}, history)):
+        rec = encode_prompt_record(ours, record, enable_thinking=enable_thinking)
+        assert list(rec.token_ids) == hf_ids(oracle, messages, enable_thinking=enable_thinking)
