@@ -87,6 +87,10 @@ def tiny_target(tmp_path_factory):
     from dspark_jax.formats.tokenizer import train_bpe_tokenizer
 
     train_bpe_tokenizer(texts, t.vocab_size, target)
+    # Stop ids as Qwen3's own generation_config lists them: <|im_end|> (2) ends a chat turn,
+    # <|endoftext|> (0) a document.
+    gen = json.loads((target / "generation_config.json").read_text())
+    (target / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [2, 0]}))
     return fit_on_data(target, data, t, steps=150), data
 
 

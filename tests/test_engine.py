@@ -37,9 +37,9 @@ def requests(pair):
     return out
 
 
-def run(engine, reqs):
+def run(engine, reqs, **kwargs):
     results = {}
-    metrics = engine.generate(reqs, lambda r: results.__setitem__(r.id, r))
+    metrics = engine.generate(reqs, lambda r: results.__setitem__(r.id, r), **kwargs)
     return results, metrics
 
 
@@ -100,6 +100,7 @@ def test_greedy_equals_plain(spec, pair, requests, plain_results):
     assert sum(metrics["buckets"].values()) == metrics["rounds"]
     for r in results.values():
         assert sum(r.accepted) == len(r.token_ids) - 1  # the first token comes from prefill
+        assert r.logprobs == [] and r.top_logprobs == []  # logprobs off: none computed
         assert all(v <= spec.max_verify for v in r.verified)
     # The same compiled programs with a random drafter: acceptance collapses, output does not change.
     trained = spec.dparams
@@ -141,6 +142,32 @@ def test_stop_token_inside_accepted_block(spec, requests, plain, pair):
     want = run(plain, [req])[0][rid]
     assert got.token_ids == want.token_ids and got.finish_reason == "stop"
     assert got.token_ids[-1] == token and token not in got.token_ids[:-1]
+
+
+def test_host_ends_requests_early(spec, requests, plain_results):
+    """`should_stop` (serve.decode's stop strings) ends a request as soon as the host reads enough
+    of it: "stop" there, its slot reused at once, and the other requests decode exactly as without
+    it (nothing the ended request's round in flight computed leaks into the slot's next request)."""
+    cut = {r.id: 2 + i % 3 for i, r in enumerate(requests) if i % 2 == 0}
+    spec.guard = True
+    try:
+        results, metrics = run(spec, requests, should_stop=lambda r: r.id in cut and len(
+            r.token_ids) >= cut[r.id])
+    finally:
+        spec.guard = False
+    assert metrics["compilations_after_warmup"] == 0
+    assert results.keys() == plain_results.keys()
+    early = 0
+    for rid, want in plain_results.items():
+        got = results[rid]
+        if rid not in cut or got.finish_reason != "stop" or got.token_ids == want.token_ids:
+            assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason, rid
+            continue
+        early += 1
+        assert cut[rid] <= len(got.token_ids) < len(want.token_ids), rid
+        assert got.token_ids == want.token_ids[:len(got.token_ids)], rid
+        assert sum(got.accepted) == len(got.token_ids) - 1
+    assert early >= 3
 
 
 def test_full_context_ends_with_context(spec, plain, pair):

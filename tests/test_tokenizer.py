@@ -81,14 +81,14 @@ def test_token_id_missing_names_token(tok: Tokenizer) -> None:
 
 
 def test_stop_ids_union_sorted(tok: Tokenizer) -> None:
-    expected = sorted({tok.token_id("<|im_end|>"), tok.token_id("<|endoftext|>"), 7})
-    assert tok.stop_token_ids == tuple(expected)
+    # generation_config's eos ids (config.json's are not read then) and tokenizer_config's eos_token
+    # (<|im_end|>); no end markers added beyond them (the rule: tests/test_generation_config.py).
+    assert tok.stop_token_ids == tuple(sorted({tok.token_id("<|im_end|>"), 7}))
 
 
 def test_stop_ids_without_config_files(model_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
-    t = load_tokenizer(tmp_path)
-    assert t.stop_token_ids == tuple(sorted({t.token_id("<|im_end|>"), t.token_id("<|endoftext|>")}))
+    assert load_tokenizer(tmp_path).stop_token_ids == ()
 
 
 def test_stop_ids_null_eos(model_dir: Path, tmp_path: Path) -> None:

@@ -77,9 +77,11 @@ class Engine:
                  acceptance: Callable = accept, mesh: Mesh | None = None,
                  sts: tuple[float, ...] | None = None,
                  sps: sps_profile.SpsProfile | str | os.PathLike | None = None,
-                 cache_profile: bool = True):
+                 cache_profile: bool = True, logprobs: int = 0):
         if (dcfg is None) != (drafter_params is None):
             raise ValueError("give both the drafter config and its params, or neither")
+        if not 0 <= logprobs <= tcfg.vocab_size:
+            raise DSparkError(f"logprobs {logprobs}: must be in [0, {tcfg.vocab_size}] (0 = off)")
         if max_len > tcfg.max_position_embeddings:
             raise DSparkError(f"max_len {max_len} exceeds the target's max_position_embeddings "
                               f"{tcfg.max_position_embeddings}")
@@ -91,7 +93,7 @@ class Engine:
         self.shape = EngineShape(tcfg=tcfg, dcfg=dcfg, slots=slots, max_len=max_len,
                                  max_stop_ids=max_stop_ids, scheduler=scheduler,
                                  sts=None if sts is None else tuple(float(t) for t in sts),
-                                 acceptance=acceptance)
+                                 acceptance=acceptance, logprobs=logprobs)
         self.tcfg, self.tparams, self.dcfg, self.dparams = tcfg, target_params, dcfg, drafter_params
         self.R, self.S, self.scheduler, self.NS = slots, max_len, scheduler, max_stop_ids
         self.gamma, self.W, self.max_verify = self.shape.gamma, self.shape.width, self.shape.max_verify
@@ -155,8 +157,10 @@ class Engine:
                 fn = functools.partial(rounds.greedy_plan, self.shape)
                 args += (self._sps_placeholder(),)
                 out, donate = replicated, ()
-            elif kind == "flush":
-                fn = functools.partial(rounds.flush_round, self.shape)
+            elif kind in ("flush", "end"):
+                fn = functools.partial({"flush": rounds.flush_round,
+                                        "end": rounds.end_requests}[kind], self.shape)
+                args += (jax.ShapeDtypeStruct((self.R,), jnp.bool_),) if kind == "end" else ()
                 out = None if self.mesh is None else self._state_sharding
             elif kind == "greedy_verify":
                 fn = functools.partial(rounds.greedy_verify, self.shape, *static)
@@ -232,7 +236,7 @@ class Engine:
         for J in self.batch_buckets:
             for P in self.prefill_buckets:
                 self._program(("prefill", J, P))
-        for key in self.policy.programs():
+        for key in self.policy.programs() + [("end",)]:
             self._program(key)
         self._warm = True
         if self.scheduler.load_aware and self.dcfg is not None and self.profile is None:
@@ -274,7 +278,8 @@ class Engine:
                           self.S - len(req.prompt_ids) - max(generated, 1)))
 
     def generate(self, requests: Iterable[Request], on_result: Callable[[Result], None] = lambda r: None,
-                 *, keep_confidences: bool = False) -> dict:
+                 *, keep_confidences: bool = False,
+                 should_stop: Callable[[Result], bool] | None = None) -> dict:
         """Decodes all requests with continuous batching; calls `on_result` as each finishes.
         Returns the run's metrics.
 
@@ -287,6 +292,10 @@ class Engine:
         tokens, so reading results, streaming them and admitting requests overlap device work. A
         slot that finished in round t is already inactive on the device in round t+1; it is freed
         and refilled on the host one round later.
+
+        `should_stop(result)` is asked when a live request's new tokens are read; True ends it
+        (reason "stop", say at a stop string): its slot is freed, deactivated on the device before
+        the next dispatch, and what the round in flight computed for it is dropped.
         """
         if not self._warm:
             self.warmup()
@@ -301,6 +310,8 @@ class Engine:
         started: dict[int, float] = {}
         events: deque = deque()  # device outputs not yet read, in dispatch order
         tally = Tally(self.gamma)
+        dispatched = 0  # rounds dispatched so far
+        ended_at: dict[int, int] = {}  # slot ended by the host -> rounds dispatched by then
 
         def finish(slot: int, reason: str):
             res = live.pop(slot)
@@ -312,23 +323,34 @@ class Engine:
 
         def read(event):
             kind, payload = event
+            going = []  # slots still running after this read
             if kind == "prefill":
-                chunk, (first, codes) = payload
-                first, codes = jax.device_get((first, codes))
+                chunk, out = payload
+                first, codes, *lp = jax.device_get(out)
                 for i, (slot, _) in enumerate(chunk):
                     live[slot].token_ids.append(int(first[i]))
+                    if lp:
+                        _take_logprobs(live[slot], *(a[i:i + 1] for a in lp))
                     tally.prefill_token()
                     if codes[i] != RUNNING:
                         finish(slot, FINISH_REASONS[int(codes[i])])
-                return
-            round_kind, F, out = payload
+                    else:
+                        going.append(slot)
+                return end_early(going)
+            round_kind, F, seq, out = payload
             out = RoundOutput.unpack(jax.device_get(out))
+            for slot in [slot for slot, last in ended_at.items() if last < seq]:
+                del ended_at[slot]
+            out.was_active[list(ended_at)] = False  # computed for a request the host ended
             tally.round(round_kind, F, int(out.was_active.sum()))
             self.policy.observe(out, list(live))
             for slot in np.flatnonzero(out.was_active):
                 res = live[slot]
                 c, ell, k = int(out.count[slot]), int(out.verified[slot]), int(out.accepted[slot])
                 res.token_ids += out.tokens[slot, :c].tolist()
+                if out.logprob is not None:
+                    _take_logprobs(res, out.logprob[slot, :c], out.top_ids[slot, :c],
+                                   out.top_logprobs[slot, :c])
                 res.accepted.append(c)
                 res.verified.append(ell)
                 if keep_confidences:
@@ -337,6 +359,19 @@ class Engine:
                 tally.slot(c, ell, k)
                 if out.finish[slot] != RUNNING:
                     finish(slot, FINISH_REASONS[int(out.finish[slot])])
+                else:
+                    going.append(slot)
+            end_early(going)
+
+        def end_early(slots):
+            """Ends the requests `should_stop` asks to end, on the host and on the device."""
+            ended = [slot for slot in slots if should_stop is not None and should_stop(live[slot])]
+            for slot in ended:
+                finish(slot, "stop")
+                ended_at[slot] = dispatched
+            if ended:
+                self.state = self._program(("end",))(self.state, self.tparams, self.dparams,
+                                                     np.isin(np.arange(self.R), ended))
 
         def pull():
             """Tops the queue up to one past the free slots, so its end is seen when admitting."""
@@ -375,7 +410,8 @@ class Engine:
             if live:
                 out, round_kind, F = self.policy.dispatch(list(live), lambda: [
                     self._room(serving[slot], len(res.token_ids)) for slot, res in live.items()])
-                events.append(("round", (round_kind, F, out)))
+                dispatched += 1
+                events.append(("round", (round_kind, F, dispatched, out)))
                 in_flight = 1
             self._check_guard(mark)
             mark = _CompileCounter.count
@@ -387,6 +423,12 @@ class Engine:
 
 
 _END = object()  # the end of a request iterator
+
+
+def _take_logprobs(res: Result, logprob, top_ids, top_logprobs) -> None:
+    """Appends tokens' logprobs [c] and their top (id, logprob) pairs [c, N] to a result."""
+    res.logprobs += logprob.tolist()
+    res.top_logprobs += [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_logprobs.tolist())]
 
 
 def _powers_of_two(lo: int, hi: int) -> list[int]:

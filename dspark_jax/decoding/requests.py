@@ -52,3 +52,7 @@ class Result:
     # block (empty for a round without a proposal) and k, the drafts accepted before any cut.
     conf_logits: list[list[float]] = dataclasses.field(default_factory=list)
     drafts_accepted: list[int] = dataclasses.field(default_factory=list)
+    # With an engine built with logprobs=N > 0, per output token: the target's raw logprob of it
+    # (log-softmax at T = 1, unfiltered) and its N most likely (id, logprob) pairs.
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)

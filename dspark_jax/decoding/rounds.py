@@ -12,7 +12,7 @@ and the programs compose them: `scheduled_round` (fixed, threshold: ℓ per requ
 `topk_round` (async: the F - n best candidates fill the bucket), `plain_round` (no proposal: the
 anchors only; the drafter's context gains the committed tokens later, in one batch: `flush_round`
 or the next proposal), `greedy_plan` then `greedy_verify` (Algorithm 1, with a host read of B
-between them).
+between them); `end_requests` deactivates slots whose requests the host ended.
 """
 
 from __future__ import annotations
@@ -22,7 +22,15 @@ import jax.numpy as jnp
 from flax import struct
 
 from dspark_jax.decoding.acceptance import split_rows
-from dspark_jax.decoding.sampling import ACCEPT, FIRST_TOKEN, PROPOSE, row_keys, sample, target_probs
+from dspark_jax.decoding.sampling import (
+    ACCEPT,
+    FIRST_TOKEN,
+    PROPOSE,
+    row_keys,
+    sample,
+    target_probs,
+    token_logprobs,
+)
 from dspark_jax.decoding.schedulers import (
     admit_first,
     candidate_order,
@@ -92,7 +100,7 @@ def prefill(shape: EngineShape, state: EngineState, tparams, dparams, slot_idx, 
             max_new, temperature, top_p, top_k, seed, stop_ids):
     """Prompts [J, P] into slots `slot_idx` [J] (R = unused row); samples the first tokens.
 
-    Returns (state, (first tokens [J], finish codes [J])).
+    Returns (state, (first tokens [J], finish codes [J])), with logprobs (`token_logprobs`) too.
     """
     tcfg, R = shape.tcfg, shape.slots
     J, P = tokens.shape
@@ -124,8 +132,9 @@ def prefill(shape: EngineShape, state: EngineState, tparams, dparams, slot_idx, 
     pending = state.pending
     if pending is not None:
         pending = pending.replace(count=pending.count.at[slot_idx].set(0, mode="drop"))
+    lp = token_logprobs(out.logits[:, 0], first, shape.logprobs) if shape.logprobs else ()
     return state.replace(slots=slots, target_cache=tc, draft_cache=dc, pending=pending), \
-        (first, finish)
+        (first, finish, *lp)
 
 
 def flush_pending(shape: EngineShape, state: EngineState, dparams, when: jax.Array | None = None
@@ -223,10 +232,22 @@ def verify_and_commit(shape: EngineShape, bucket: int, state: EngineState, tpara
                       generated=s.generated + count)
     no_conf = jnp.zeros((R, 0), jnp.float32)
     state = state.replace(slots=slots, target_cache=out.cache, draft_cache=dc, pending=pending)
+    lp = {}
+    if shape.logprobs:  # token j was predicted by the logits at offset j (p_j)
+        lp = dict(zip(("logprob", "top_ids", "top_logprobs"),
+                      token_logprobs(logits, tokens, shape.logprobs)))
     return state, RoundOutput(
         tokens=tokens, count=count, verified=ell, accepted=k, finish=finish, was_active=s.active,
         conf_logits=no_conf if draft is None else draft.conf_logits,
-        survival=no_conf if draft is None else draft.survival).pack()
+        survival=no_conf if draft is None else draft.survival, **lp).pack()
+
+
+def end_requests(shape: EngineShape, state: EngineState, tparams, dparams, ended: jax.Array
+                 ) -> EngineState:
+    """Deactivates the slots `ended` [R] bool: requests the host ended (a stop string)."""
+    s = state.slots
+    return state.replace(slots=s.replace(active=s.active & ~ended,
+                                         max_new=jnp.where(ended, s.generated, s.max_new)))
 
 
 def flush_round(shape: EngineShape, state: EngineState, tparams, dparams) -> EngineState:

@@ -63,3 +63,14 @@ def sample(keys: jax.Array, probs: jax.Array) -> jax.Array:
     """int32 token ids [R] drawn from probabilities [R, V], row r with keys[r], by inverse CDF
     (one random number per row; exact zeros are never drawn)."""
     return sample_inverse_cdf(probs, jax.vmap(lambda k: jax.random.uniform(k, ()))(keys))
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, n: int
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The target's raw log-probabilities (log-softmax of the logits at T = 1, before temperature
+    and filters, as vLLM reports them): of `tokens` [...] under logits [..., V], and the `n` most
+    likely ids with theirs. Returns (logprob [...] f32, top ids [..., n] i32, top logprobs [..., n])."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+    top_lp, top_ids = jax.lax.top_k(logp, n)
+    return chosen, top_ids.astype(jnp.int32), top_lp

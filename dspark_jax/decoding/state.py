@@ -41,6 +41,7 @@ class EngineShape:
     scheduler: SchedulerConfig
     sts: tuple[float, ...] | None = None  # calibration temperatures per block position
     acceptance: Callable = accept  # the rule; replaceable only to test that tests can fail
+    logprobs: int = 0  # N > 0: every committed token's target logprob and the top N; 0 = off
 
     @property
     def gamma(self) -> int:
@@ -106,21 +107,33 @@ class RoundOutput:
     was_active: jax.Array  # [R] bool
     conf_logits: jax.Array  # [R, γ] raw confidence logits of the round's block ([R, 0]: none)
     survival: jax.Array  # [R, γ] calibrated prefix survival a_j ([R, 0]: no proposal)
+    # With EngineShape.logprobs = N > 0 (else None): per committed token, the log-softmax of the
+    # target's raw logits (T = 1, unfiltered) at the token and at its N most likely tokens.
+    logprob: jax.Array | None = None  # [R, W] float32
+    top_ids: jax.Array | None = None  # [R, W, N] int32
+    top_logprobs: jax.Array | None = None  # [R, W, N] float32
 
-    def pack(self) -> tuple[jax.Array, jax.Array]:
-        """(int32 [R, W + 5], float32 [R, 2γ]) on the device."""
+    def pack(self) -> tuple[jax.Array, ...]:
+        """(int32 [R, W + 5], float32 [R, 2γ]) on the device; with logprobs also (int32 [R, W, N],
+        float32 [R, W, 1 + N])."""
         columns = (self.count, self.verified, self.accepted, self.finish, self.was_active)
         ints = jnp.concatenate([self.tokens] + [c.astype(jnp.int32)[:, None] for c in columns], 1)
-        return ints, jnp.concatenate([self.conf_logits, self.survival], 1)
+        packed = (ints, jnp.concatenate([self.conf_logits, self.survival], 1))
+        if self.logprob is None:
+            return packed
+        return packed + (self.top_ids, jnp.concatenate([self.logprob[..., None],
+                                                        self.top_logprobs], -1))
 
     @classmethod
     def unpack(cls, packed) -> "RoundOutput":
         """numpy RoundOutput from the host copy of `pack()`."""
-        ints, floats = packed
+        ints, floats, *lp = packed
         W, gamma = ints.shape[1] - 5, floats.shape[1] // 2
+        extra = {"logprob": lp[1][..., 0], "top_ids": lp[0], "top_logprobs": lp[1][..., 1:]} \
+            if lp else {}
         return cls(tokens=ints[:, :W], count=ints[:, W], verified=ints[:, W + 1],
                    accepted=ints[:, W + 2], finish=ints[:, W + 3], was_active=ints[:, W + 4] > 0,
-                   conf_logits=floats[:, :gamma], survival=floats[:, gamma:])
+                   conf_logits=floats[:, :gamma], survival=floats[:, gamma:], **extra)
 
 
 def init_state(shape: EngineShape, seed: int, mesh: Mesh | None = None) -> EngineState:

@@ -18,6 +18,7 @@ import numpy as np
 import tokenizers
 
 from dspark_jax.errors import CheckpointError
+from dspark_jax.formats import generation_config
 from dspark_jax.formats.chat_template import (
     CONFIG_FILE,
     TINY_CHAT_TEMPLATE,
@@ -42,19 +43,13 @@ class Tokenizer:
         eos_token_ids: Sequence[int] = (),
         chat_template: ChatTemplate | None = None,
     ) -> None:
-        """Wrap ``backend``; stop ids are ``eos_token_ids`` plus known end markers. Without a
-        ``chat_template`` the built-in ChatML layout is used (with a warning, on first use)."""
+        """Wrap ``backend``; stop ids are ``eos_token_ids`` (as :func:`load_tokenizer` reads them
+        from the checkpoint), nothing more. Without a ``chat_template`` the built-in ChatML layout
+        is used (with a warning, on first use)."""
         self.backend = backend
         self.path = Path(path)
         self._chat_template = chat_template
-        stop = {int(i) for i in eos_token_ids}
-        # The target ends a chat turn with <|im_end|> and a document with
-        # <|endoftext|>, whatever the config files list.
-        for marker in (IM_END, END_OF_TEXT):
-            marker_id = backend.token_to_id(marker)
-            if marker_id is not None:
-                stop.add(marker_id)
-        self.stop_token_ids: tuple[int, ...] = tuple(sorted(stop))
+        self.stop_token_ids: tuple[int, ...] = tuple(sorted({int(i) for i in eos_token_ids}))
 
     @property
     def vocab_size(self) -> int:
@@ -95,31 +90,9 @@ class Tokenizer:
         )
 
 
-def _read_eos_ids(path: Path) -> list[int]:
-    """``eos_token_id`` (int, list of ints or null) from a JSON config; [] if absent."""
-    if not path.is_file():
-        return []
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path}: cannot read JSON ({err})") from err
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    value = data.get("eos_token_id")
-    if value is None:
-        return []
-    values = value if isinstance(value, list) else [value]
-    for v in values:
-        # bool is an int subclass; true/false here is a typo, not an id.
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise CheckpointError(
-                f"{path}: 'eos_token_id' must be a non-negative int or a list of them, got {value!r}"
-            )
-    return list(values)
-
-
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
-    """Load ``model_dir/tokenizer.json``, the stop ids from the config files and the chat template."""
+    """Load ``model_dir/tokenizer.json``, the stop ids (:func:`generation_config.stop_token_ids`:
+    the configs' ``eos_token_id`` and the tokenizer's ``eos_token``) and the chat template."""
     model_dir = Path(model_dir)
     path = model_dir / "tokenizer.json"
     if not path.is_file():
@@ -128,7 +101,7 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
         backend = tokenizers.Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception for bad files
         raise CheckpointError(f"{path}: cannot read tokenizer ({err})") from err
-    eos = _read_eos_ids(model_dir / "generation_config.json") + _read_eos_ids(model_dir / "config.json")
+    eos = generation_config.stop_token_ids(model_dir, backend.token_to_id)
     return Tokenizer(backend, path=path, eos_token_ids=eos, chat_template=load_chat_template(model_dir))
 
 

@@ -69,8 +69,11 @@ def make_tiny_target(out_dir, data_file, cfg: TargetConfig, *, steps: int = 150,
              for m in json.loads(line).get("conversations", [])]
     train_bpe_tokenizer(texts, cfg.vocab_size, out)
     tokenizer = load_tokenizer(out)
-    im_end = tokenizer.token_id("<|im_end|>")
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end]}) + "\n")
+    # Stop ids as Qwen3's generation_config lists them: <|im_end|> ends a chat turn, <|endoftext|>
+    # a document.
+    im_end, end_of_text = tokenizer.token_id("<|im_end|>"), tokenizer.token_id("<|endoftext|>")
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [im_end, end_of_text]}) + "\n")
     params = init_params(target_spec(cfg), jax.random.key(seed))
     params = jax.tree.map(lambda x: x * 5 if x.ndim > 1 else x, params)  # std 0.1: a livelier start
     ds = load_conversations(data_file, tokenizer, max_length=max_length, min_length=2)
