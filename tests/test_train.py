@@ -115,8 +115,9 @@ def test_bad_inputs(tiny_target, tmp_path):
 def test_short_sequences_are_skipped_and_counted(tiny_target, tmp_path):
     data = tmp_path / "mixed.jsonl"
     lines = tiny_target[1].read_text().splitlines()[:40]
-    lines += [json.dumps({"conversations": [{"role": "user", "content": "hi"},
-                                            {"role": "assistant", "content": ""}]})] * 3
+    # Too short: the cut to max_length (64) leaves no supervised token.
+    lines += [json.dumps({"conversations": [{"role": "user", "content": "apple " * 80},
+                                            {"role": "assistant", "content": "river"}]})] * 3
     lines += [json.dumps({"conversations": [{"role": "user", "content": "no answer"}]})] * 2
     data.write_text("\n".join(lines) + "\n")
     logs = []
