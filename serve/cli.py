@@ -1,9 +1,10 @@
-"""What the decoding commands share: engine flags and their checks, loading the pair with its
-calibration, reading a prompt file into requests line by line."""
+"""What the decoding commands share: engine flags and their checks (output paths among them),
+loading the pair with its calibration, reading a prompt file into requests line by line."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -115,13 +116,26 @@ def scheduler_config(args):
 
 def read_requests(path: Path, tokenizer, check, *, max_new_tokens: int, temperature: float = 0.0,
                   top_p: float = 1.0, top_k: int = 0):
-    """(requests, prompt texts by id, errors): every line is handled on its own; a bad one is
-    reported on stderr with its file and line and skipped. `check(request)` raises for a request
-    the engine cannot serve."""
+    """(requests, prompt texts by id, errors) at these settings for every record (a record's own
+    sampling keys are not read): `read_prompt_file` without per-record settings."""
+    from dspark_jax.formats.generation_config import SamplingSettings
+
+    settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k,
+                                max_new_tokens=max_new_tokens)
+    requests, prompts, errors = read_prompt_file(path, tokenizer, check, settings, per_record=False)
+    return requests, {rid: text for rid, (text, _) in prompts.items()}, errors
+
+
+def read_prompt_file(path: Path, tokenizer, check, defaults, *, per_record: bool = True):
+    """(requests, {id: (prompt text, SamplingSettings)}, errors): every line is handled on its own;
+    a bad one is reported on stderr with its file and line and skipped. `defaults`: the
+    SamplingSettings of a record that names none of its own (with `per_record`, a record's
+    temperature, top_p, top_k, max_new_tokens, stop and seed override them). `check(request)`
+    raises for a request the engine cannot serve. Stop ids: the tokenizer's."""
     from dspark_jax.decoding.engine import Request
     from dspark_jax.formats.records import encode_prompt_record, iter_jsonl
 
-    requests, texts, errors, seen = [], {}, [], set()
+    requests, prompts, errors = [], {}, []
     path = Path(path)
     for line_no, obj in iter_jsonl(path):
         where = f"{path}:{line_no}"
@@ -129,11 +143,14 @@ def read_requests(path: Path, tokenizer, check, *, max_new_tokens: int, temperat
             if isinstance(obj, DSparkError):
                 raise obj
             rec = encode_prompt_record(tokenizer, obj, where=where, index=len(requests) + len(errors))
-            if rec.id in seen:
+            if rec.id in prompts:
                 raise DSparkError(f"{where}: duplicate id {rec.id!r}")
-            req = Request(id=rec.id, prompt_ids=rec.token_ids, max_new_tokens=max_new_tokens,
-                          temperature=temperature, top_p=top_p, top_k=top_k,
-                          stop_ids=tuple(tokenizer.stop_token_ids))
+            settings = defaults.with_record(obj, where) if per_record else defaults
+            req = Request(id=rec.id, prompt_ids=rec.token_ids,
+                          max_new_tokens=settings.max_new_tokens,
+                          temperature=settings.temperature, top_p=settings.top_p,
+                          top_k=settings.top_k, stop_ids=tuple(tokenizer.stop_token_ids),
+                          seed=settings.seed)
             try:
                 check(req)
             except DSparkError as e:
@@ -142,7 +159,37 @@ def read_requests(path: Path, tokenizer, check, *, max_new_tokens: int, temperat
             errors.append(str(e))
             print(f"error: {e}", file=sys.stderr)
             continue
-        seen.add(rec.id)
-        texts[rec.id] = rec.prompt_text
+        prompts[rec.id] = (rec.prompt_text, settings)
         requests.append(req)
-    return requests, texts, errors
+    return requests, prompts, errors
+
+
+def output_problems(outputs: dict[str, str | None], inputs: dict[str, str | None]) -> list[str]:
+    """Flag errors of output paths ({flag: path}), found before anything loads: each must name a
+    file (not a directory) in an existing writable directory, and none may be an input file or
+    another output."""
+    problems, seen = [], {}
+    for flag, value in outputs.items():
+        if not value:
+            continue
+        path = Path(value)
+        parent = path.parent
+        if path.is_dir():
+            problems.append(f"{flag} {value}: is a directory; expected a file to write")
+        elif not parent.is_dir():
+            problems.append(f"{flag} {value}: directory {parent} does not exist")
+        elif not os.access(parent, os.W_OK | os.X_OK):
+            problems.append(f"{flag} {value}: directory {parent} is not writable")
+        for other, named in [*inputs.items(), *seen.items()]:
+            if named and _same_file(path, Path(named)):
+                what = "the input" if other in inputs else "the output"
+                problems.append(f"{flag} {value}: is {what} {other} {named}; refusing to "
+                                "overwrite it")
+        seen[flag] = value
+    return problems
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    if a.exists() and b.exists():
+        return os.path.samefile(a, b)
+    return a.resolve() == b.resolve()

@@ -1,14 +1,30 @@
 """Decode a file of prompts with speculative decoding (or plain target decoding), batched and jitted.
 
     python -m serve.decode --target DIR --drafter DIR|none --prompts FILE --out FILE [--metrics FILE]
-        [--temperature T] [--top-p P] [--top-k K] [--max-new-tokens N] [--slots R] [--max-len S]
-        [--scheduler async|greedy|fixed|threshold] [--verify-len L] [--threshold t]
-        [--bucket-fill] [--sts FILE|none] [--sps FILE] [--seed S] [--recompile-guard]
+        [--temperature T] [--top-p P] [--top-k K] [--max-new-tokens N] [--stop STR ...]
+        [--logprobs N] [--slots R] [--max-len S] [--scheduler async|greedy|fixed|threshold]
+        [--verify-len L] [--threshold t] [--bucket-fill] [--sts FILE|none] [--sps FILE] [--seed S]
+        [--recompile-guard]
 
 Prompt records (JSONL): {"prompt": "..."} (raw text, verbatim), {"turns": [...]} and
-{"conversations": [...]} (chat template), with an optional "id". Results stream to --out as requests
-finish. A bad record is reported (file and line) and skipped; the others are still decoded and
-written, and the command then exits with status 1.
+{"conversations": [...]} (chat template), with an optional "id". A record may carry its own
+"temperature", "top_p", "top_k", "max_new_tokens", "stop" (a string or a list) and "seed" (its
+random stream); the flags are the defaults, and where a sampling flag is not given, the target's
+generation_config.json (temperature, top_p, top_k; "do_sample": false means greedy), else greedy.
+Decoding stops at the target's stop ids (eos_token_id of generation_config.json, else config.json,
+plus tokenizer_config.json's eos_token) and at stop strings (--stop, or the record's "stop"): the
+completion ends just before the first one, which is not included, and token_ids are cut to the
+tokens that produce it ("accepted"/"verified" still count the rounds as run). Each output line
+carries the settings it was decoded with ("sampling"; its "seed" is the request's stream, which
+reproduces the output under the same --seed); with --logprobs N, every output token's target
+logprob (raw logits at T = 1, before temperature and filters) in "logprobs" and, for N > 0, its
+top N as [[id, logprob], ...] in "top_logprobs".
+
+A bad record is reported (file and line) and skipped; the others are still decoded and written,
+and the command then exits with status 1 (also when there is nothing to decode). Output paths are
+checked before anything loads. Results stream to OUT.partial as requests finish (whole lines,
+flushed each), renamed to OUT at the end; an interrupted run (an error, Ctrl-C, SIGTERM) leaves
+the .partial file with every result finished so far.
 
 The default scheduler, async, needs the round times of this machine (an SPS profile): --sps names
 one written by `python -m serve.profile`; without it a cached profile for this model, slot count,
@@ -21,6 +37,8 @@ not, but which drafts get verified does, and so does the realisation.
 
 import argparse
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -29,45 +47,82 @@ from tqdm import tqdm
 from dspark_jax.errors import DSparkError
 from serve import cli
 
+MAX_LOGPROBS = 20
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised like Ctrl-C's KeyboardInterrupt so that the run winds down the same way."""
+
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_engine_flags(ap)
     ap.add_argument("--drafter", required=True, help="DeepSpec-format drafter directory, or 'none'")
     ap.add_argument("--prompts", required=True, help="JSONL prompt file")
-    ap.add_argument("--out", required=True, help="output JSONL")
+    ap.add_argument("--out", required=True, help="output JSONL (written as OUT.partial, then renamed)")
     ap.add_argument("--metrics", help="write the summary metrics here as JSON")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--top-k", type=int, default=0, help="0 = off")
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="0 = greedy (default: generation_config.json's, else 0)")
+    ap.add_argument("--top-p", type=float, default=None,
+                    help="default: generation_config.json's, else 1")
+    ap.add_argument("--top-k", type=int, default=None,
+                    help="0 = off (default: generation_config.json's, else 0)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--stop", action="append", default=[], metavar="STR",
+                    help="stop string (repeatable); the output ends before it")
+    ap.add_argument("--logprobs", type=int, default=None, metavar="N",
+                    help=f"report each token's target logprob and its top N (0..{MAX_LOGPROBS})")
     cli.add_scheduler_flags(ap)
     ap.add_argument("--recompile-guard", action="store_true",
                     help="fail if anything compiles after warm-up")
     args = ap.parse_args(argv)
     problems = []
-    if args.temperature < 0:
+    if args.temperature is not None and not args.temperature >= 0:
         problems.append(f"--temperature {args.temperature}: must be >= 0")
-    if not 0 < args.top_p <= 1:
+    if args.top_p is not None and not 0 < args.top_p <= 1:
         problems.append(f"--top-p {args.top_p}: must be in (0, 1]")
-    if args.top_k < 0:
+    if args.top_k is not None and args.top_k < 0:
         problems.append(f"--top-k {args.top_k}: must be >= 0")
     if args.max_new_tokens < 1:
         problems.append(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
+    if "" in args.stop:
+        problems.append("--stop '': a stop string must not be empty")
+    if args.logprobs is not None and not 0 <= args.logprobs <= MAX_LOGPROBS:
+        problems.append(f"--logprobs {args.logprobs}: must be in [0, {MAX_LOGPROBS}]")
     problems += cli.engine_flag_problems(args)
+    inputs = {"--prompts": args.prompts, "--sps": args.sps,
+              "--sts": args.sts if args.sts.lower() != "none" else ""}
+    problems += cli.output_problems({"--out": args.out, "--metrics": args.metrics}, inputs)
     if problems:
         ap.error("; ".join(problems))
     return args
 
 
+def default_settings(args):
+    """The settings of a record that names none of its own: the flags, else the target's
+    generation_config.json, else greedy."""
+    from dspark_jax.formats.generation_config import SamplingSettings, sampling_defaults
+
+    given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    checkpoint = sampling_defaults(args.target)
+    return SamplingSettings(**{k: checkpoint[k] if v is None else v for k, v in given.items()},
+                            max_new_tokens=args.max_new_tokens, stop=tuple(args.stop))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from dspark_jax.decoding.engine import Engine
+    from dspark_jax.formats.records import iter_jsonl
     from dspark_jax.formats.tokenizer import load_tokenizer
 
     try:
         if not Path(args.prompts).is_file():
             raise DSparkError(f"{args.prompts}: prompt file not found")
+        if next(iter_jsonl(args.prompts), None) is None:
+            print(f"error: {args.prompts}: no prompt records (the file is empty); nothing to decode",
+                  file=sys.stderr)
+            return 1
+        defaults = default_settings(args)
         tokenizer = load_tokenizer(args.target)
         cli.setup_jax(args)
         mesh = cli.make_mesh(args)
@@ -76,48 +131,102 @@ def main(argv=None) -> int:
         scheduler = cli.scheduler_config(args)
         engine = Engine(tcfg, tparams, dcfg, dparams, slots=args.slots, max_len=max_len,
                         scheduler=scheduler, prefill_buckets=args.prefill_buckets, seed=args.seed,
-                        mesh=mesh, sts=sts, sps=args.sps or None)
-        requests, texts, errors = cli.read_requests(
-            Path(args.prompts), tokenizer, engine.check_request, max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+                        mesh=mesh, sts=sts, sps=args.sps or None,
+                        logprobs=0 if args.logprobs is None else max(args.logprobs, 1))
+        requests, prompts, errors = cli.read_prompt_file(Path(args.prompts), tokenizer,
+                                                         engine.check_request, defaults)
+        if not requests:
+            print(f"error: {args.prompts}: no record could be decoded ({len(errors)} bad)",
+                  file=sys.stderr)
+            return 1
         mode = "plain target decoding" if dcfg is None else (
             f"speculative, block {dcfg.block_size}, {scheduler.describe(dcfg.block_size)}"
             + (f", calibrated by {sts_from}" if sts_from else ""))
         print(f"{len(requests)} requests, {mode}, {args.slots} slots x {max_len} positions; "
-              "compiling ...", file=sys.stderr, flush=True)
+              f"sampling by default: temperature {defaults.temperature:g}, top-p "
+              f"{defaults.top_p:g}, top-k {defaults.top_k}; compiling ...", file=sys.stderr,
+              flush=True)
         warm = engine.warmup()
         print(f"compiled {engine.compilations} programs in {warm:.1f} s"
               + (f"; SPS profile: {engine.profile_source}" if engine.profile else ""),
               file=sys.stderr, flush=True)
         engine.guard = args.recompile_guard
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as out, \
-                tqdm(total=len(requests), unit="req", file=sys.stderr, mininterval=0.5) as bar:
-            tokens = [0]
-
-            def write(res):
-                out.write(json.dumps({
-                    "id": res.id, "prompt": texts[res.id],
-                    "completion": tokenizer.decode(res.token_ids), "token_ids": res.token_ids,
-                    "finish_reason": res.finish_reason, "accepted": res.accepted,
-                    "verified": res.verified}, ensure_ascii=False) + "\n")
-                out.flush()
-                tokens[0] += len(res.token_ids)
-                bar.set_postfix_str(f"{tokens[0] / max(bar.format_dict['elapsed'], 1e-9):,.0f} tok/s",
-                                    refresh=False)
-                bar.update(1)
-
-            metrics = engine.generate(requests, write) if requests else {}
+        metrics = decode(args, engine, tokenizer, requests, prompts)
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, Terminated) as e:
+        print(f"interrupted ({'SIGTERM' if isinstance(e, Terminated) else 'Ctrl-C'})",
+              file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
     metrics.update(requests=len(requests), errors=errors, warmup_s=warm,
                    compilations=engine.compilations, calibration=sts_from or None,
-                   sps_profile=engine.profile_source or None)
+                   sps_profile=engine.profile_source or None,
+                   sampling_defaults=defaults.to_json())
     print_summary(metrics)
     if args.metrics:
-        Path(args.metrics).write_text(json.dumps(metrics, indent=2) + "\n")
+        _write_atomically(Path(args.metrics), json.dumps(metrics, indent=2) + "\n")
     return 1 if errors else 0
+
+
+def decode(args, engine, tokenizer, requests, prompts) -> dict:
+    """Runs the engine, streaming one line per result to OUT.partial, renamed to OUT when every
+    request is done; returns the metrics. On an interruption the .partial file stays."""
+    from dspark_jax.decoding.stop_strings import cut_at_stop, find_stop
+
+    by_id = {req.id: req for req in requests}
+    partial = Path(f"{args.out}.partial")
+    written = [0, 0]  # results, tokens
+    signal.signal(signal.SIGTERM, _terminate)
+
+    def should_stop(res):
+        stops = prompts[res.id][1].stop
+        return bool(stops) and find_stop(tokenizer.decode(res.token_ids), stops) is not None
+
+    try:
+        with open(partial, "w", encoding="utf-8") as out, \
+                tqdm(total=len(requests), unit="req", file=sys.stderr, mininterval=0.5) as bar:
+
+            def write(res):
+                text, settings = prompts[res.id]
+                ids, completion, stopped = cut_at_stop(res.token_ids, tokenizer.decode,
+                                                       settings.stop)
+                line = {"id": res.id, "prompt": text, "completion": completion, "token_ids": ids,
+                        "finish_reason": "stop" if stopped else res.finish_reason,
+                        "accepted": res.accepted, "verified": res.verified,
+                        "sampling": {**settings.to_json(), "seed": by_id[res.id].stream}}
+                if args.logprobs is not None:
+                    line["logprobs"] = res.logprobs[:len(ids)]
+                    if args.logprobs:
+                        line["top_logprobs"] = [[list(pair) for pair in top[:args.logprobs]]
+                                                for top in res.top_logprobs[:len(ids)]]
+                out.write(json.dumps(line, ensure_ascii=False) + "\n")
+                out.flush()
+                written[0] += 1
+                written[1] += len(ids)
+                bar.set_postfix_str(f"{written[1] / max(bar.format_dict['elapsed'], 1e-9):,.0f} "
+                                    "tok/s", refresh=False)
+                bar.update(1)
+
+            metrics = engine.generate(requests, write, should_stop=should_stop)
+    except BaseException:
+        print(f"{written[0]} of {len(requests)} results were written to {partial}; {args.out} "
+              "was not written", file=sys.stderr)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.replace(partial, args.out)
+    return metrics
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = Path(f"{path}.partial")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def print_summary(m: dict) -> None:

@@ -4,8 +4,10 @@ target/drafter pair (the `tiny_target` fixture's target plus a DSpark drafter tr
 
 Every decode that compiles costs seconds, so the decodes are few and shared: one speculative run
 (fixed scheduler), one plain target run and one threshold-scheduler run on the same prompt file
-(each checked on its own and compared for greedy equality), and one run on a file with bad
-records. The flag and drafter errors stop before anything compiles.
+(each checked on its own and compared for greedy equality), one run on a file with bad
+records, one with records of their own settings, stop strings, stop ids from generation_config and
+--logprobs, and two runs interrupted by a signal. The flag, output-path and drafter errors stop
+before anything compiles; an empty prompt file before anything loads.
 
 Output accounting, as the engine defines it: a request's first token is sampled by the prefill,
 every later token is committed by a decoding round, and `accepted[i]` is the number of tokens round
@@ -16,8 +18,11 @@ i committed for the request (accepted drafts plus the bonus token, after stop/bu
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -26,7 +31,9 @@ REPO = Path(__file__).resolve().parents[1]
 SLOTS, MAX_LEN, MAX_NEW, BLOCK = 4, 96, 12, 4  # BLOCK: the dspark-tiny drafter's block size
 SIZES = ["--slots", str(SLOTS), "--max-len", str(MAX_LEN), "--prefill-buckets", f"32,{MAX_LEN}",
          "--max-new-tokens", str(MAX_NEW)]
-KEYS = {"id", "prompt", "completion", "token_ids", "finish_reason", "accepted", "verified"}
+KEYS = {"id", "prompt", "completion", "token_ids", "finish_reason", "accepted", "verified",
+        "sampling"}
+SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop", "seed"}
 METRIC_KEYS = {"tau", "acceptance_rate", "conditional_acceptance", "mean_verified",
                "output_tokens_per_s", "tokens_per_s_per_request", "rounds", "compilations",
                "compilations_after_warmup"}
@@ -134,10 +141,12 @@ def runs(pair, prompts, tmp_path_factory):
     def get(mode):
         if mode not in done:
             out, metrics = out_dir / mode / "nested" / "out.jsonl", out_dir / f"{mode}.json"
+            out.parent.mkdir(parents=True)
             drafter_arg, *extra = modes[mode]
             proc = decode_cli("--target", target, "--drafter", drafter_arg, "--prompts", prompts[0],
                               "--out", out, "--metrics", metrics, *SIZES, "--recompile-guard", *extra)
             assert proc.returncode == 0, proc.stdout + proc.stderr
+            assert sorted(p.name for p in out.parent.iterdir()) == ["out.jsonl"]  # no .partial
             results = read_jsonl(out)
             by_id = {r["id"]: r for r in results}
             assert len(by_id) == len(results), "duplicate ids in the output"
@@ -162,6 +171,10 @@ def check_results(results: dict, expected: dict, tok, block: int) -> None:
         assert 1 <= len(ids) <= MAX_NEW, r
         assert r["completion"] == tok.decode(ids), r
         assert r["finish_reason"] in ("stop", "length", "context"), r
+        # Greedy by default: the tiny target's generation_config names no sampling settings.
+        assert r["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0,
+                                 "max_new_tokens": MAX_NEW, "stop": [],
+                                 "seed": r["sampling"]["seed"]}, r
         assert sum(r["accepted"]) == len(ids) - 1, r  # the first token comes from the prefill
         assert len(r["accepted"]) == len(r["verified"]), r
         assert all(0 <= v <= block for v in r["verified"]), r
@@ -295,6 +308,8 @@ def test_bad_records_are_reported_and_the_rest_decoded(pair, tok, tmp_path):
     (["--top-p", "1.5"], "--top-p 1.5: must be in (0, 1]"),
     (["--max-len", "-4"], "--max-len -4: must be >= 1"),
     (["--prefill-buckets", "32,abc"], "--prefill-buckets '32,abc': expected positive integers"),
+    (["--logprobs", "21"], "--logprobs 21: must be in [0, 20]"),
+    (["--stop", "a", "--stop", ""], "--stop '': a stop string must not be empty"),
 ])
 def test_bad_flags_exit_2_before_loading_anything(tmp_path, flags, message):
     # Nothing exists at these paths: a flag error must come first.
@@ -336,3 +351,206 @@ def test_missing_prompt_file(pair, tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"error: {missing}: prompt file not found" in proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
+
+
+# ------------------------------------------- generation settings, stop strings, logprobs
+
+
+def test_records_settings_stops_and_logprobs(runs, pair, tok, tmp_path):
+    """One run (speculative, fixed, --logprobs 2) on a copy of the target whose generation_config
+    sets top-p/top-k defaults and one more stop id, with --stop and records of their own settings;
+    checked against the greedy fixed run (its outputs cut where the new stops say)."""
+    _, fixed, _ = runs("fixed")
+    target, drafter = pair
+    base = fixed["raw-count"]
+    # A stop id the target emits in "7"'s greedy output (and not in the two outputs cut by stop
+    # strings below); a stop string inside "raw-count"'s output, another in "turns-id"'s.
+    others = set(base["token_ids"]) | set(fixed["turns-id"]["token_ids"]) | {0, 2}
+    extra_id = next(t for t in fixed["7"]["token_ids"][1:] if t not in others)
+    stop_ids = {2, 0, extra_id}
+    text = base["completion"]
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    flag_stop = fixed["turns-id"]["completion"][1:3]
+    assert stop.strip() and len(flag_stop) == 2, (base, fixed["turns-id"])
+    copy = shutil.copytree(target, tmp_path / "target")
+    (copy / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.9, "top_p": 0.8, "top_k": 7,
+         "eos_token_id": sorted(stop_ids)}))
+    records = [
+        {"id": "raw-count", "prompt": "Count from 3 to 9.", "stop": [stop, "\u2603never"]},
+        {"id": "7", "conversations": [
+            {"role": "system", "content": "Answer exactly."},
+            {"role": "user", "content": "Continue the pattern: cat dog"}], "stop": []},
+        {"id": "flag-stop", "turns": ["Count from 1 to 8."]},
+        {"id": "sampled", "prompt": "Count from 3 to 9.", "temperature": 0.7, "top_p": 0.9,
+         "top_k": 5, "max_new_tokens": 5, "seed": 11},
+        {"id": "bad-t", "prompt": "x", "temperature": -1},
+        {"id": "bad-stop", "prompt": "x", "stop": ["ok", 3]},
+        {"id": "bad-seed", "prompt": "x", "seed": "s"},
+    ]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    proc = decode_cli("--target", copy, "--drafter", drafter, "--prompts", path, "--out", out,
+                      *SIZES, "--scheduler", "fixed", "--temperature", "0", "--logprobs", "2",
+                      "--stop", flag_stop, "--recompile-guard")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        f"error: {path}:5: 'temperature' must be a finite number >= 0 (0 = greedy), got -1",
+        f"error: {path}:6: 'stop' must be a non-empty string or a list of them, got ['ok', 3]",
+        f"error: {path}:7: 'seed' must be an integer in [0, 2^32), got 's'"], proc.stderr
+    assert "sampling by default: temperature 0, top-p 0.8, top-k 7" in proc.stderr
+    results = {r["id"]: r for r in read_jsonl(out)}
+    assert set(results) == {"raw-count", "7", "flag-stop", "sampled"}
+    # The flag gives T = 0; top-p/top-k default to generation_config's; records override.
+    defaults = {"temperature": 0.0, "top_p": 0.8, "top_k": 7, "max_new_tokens": MAX_NEW}
+    want_settings = {"raw-count": {**defaults, "stop": [stop, "\u2603never"]},
+                     "7": {**defaults, "stop": []}, "flag-stop": {**defaults, "stop": [flag_stop]},
+                     "sampled": {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "max_new_tokens": 5,
+                                 "stop": [flag_stop], "seed": 11}}
+    for rid, r in results.items():
+        assert set(r) == KEYS | {"logprobs", "top_logprobs"}, r
+        got, want = dict(r["sampling"]), dict(want_settings[rid])
+        # Without a seed of its own, a request's stream is derived from its id.
+        assert got.pop("seed") == want.pop("seed", zlib.crc32(rid.encode())), rid
+        assert got == want, rid
+        n = len(r["token_ids"])
+        assert r["completion"] == tok.decode(r["token_ids"]) or rid in ("raw-count", "flag-stop")
+        assert len(r["logprobs"]) == len(r["top_logprobs"]) == n
+        for lp, top in zip(r["logprobs"], r["top_logprobs"]):
+            assert len(top) == 2 and all(isinstance(i, int) and v <= 0 for i, v in top)
+            assert top[0][1] >= top[1][1] and lp <= top[0][1] + 1e-5
+            if r["sampling"]["temperature"] == 0:
+                assert lp == pytest.approx(top[0][1], abs=1e-5)  # greedy takes the most likely
+    assert len(results["sampled"]["token_ids"]) <= 5
+
+    def cut_at_ids(ids):
+        first = next((i for i, t in enumerate(ids) if t in stop_ids), None)
+        return ids if first is None else ids[:first + 1]
+
+    # Stop ids as generation_config lists them: "7" ends at the extra id, with "stop".
+    r7 = results["7"]
+    assert r7["token_ids"] == cut_at_ids(fixed["7"]["token_ids"]) and r7["finish_reason"] == "stop"
+    assert r7["token_ids"][-1] == extra_id and r7["prompt"] == fixed["7"]["prompt"]
+    # Stop strings: the text ends just before the first one; the ids are what produce that text.
+    for rid, ref, stops in (("raw-count", base, [stop]), ("flag-stop", fixed["turns-id"], [flag_stop])):
+        r, ref_ids = results[rid], cut_at_ids(ref["token_ids"])
+        ref_text = tok.decode(ref_ids)
+        cut = min(ref_text.find(s) for s in stops if s in ref_text)
+        assert r["completion"] == ref_text[:cut] and r["finish_reason"] == "stop", (r, ref_text)
+        ids = r["token_ids"]
+        assert ids == ref_ids[:len(ids)] and tok.decode(ids).startswith(r["completion"])
+        assert not tok.decode(ids[:-1]).startswith(r["completion"]) or not ids
+
+
+# ------------------------------------------------------------------ never losing data
+
+
+def plain_args(pair, prompts, out, *extra):
+    return ("--target", pair[0], "--drafter", "none", "--prompts", prompts, "--out", out, *SIZES,
+            *extra)
+
+
+@pytest.mark.parametrize("case", ["out-is-prompts", "out-is-prompts-other-spelling",
+                                  "metrics-is-prompts", "metrics-dir-missing", "out-dir-missing",
+                                  "out-is-a-dir", "out-is-metrics"])
+def test_output_paths_checked_before_loading(tmp_path, case):
+    """Nothing is loaded (the target does not exist) and nothing is touched."""
+    prompts = tmp_path / "sub" / "prompts.jsonl"
+    prompts.parent.mkdir()
+    prompts.write_text('{"prompt": "keep me"}\n')
+    out, metrics = tmp_path / "out.jsonl", None
+    message = {
+        "out-is-prompts": f"--out {prompts}: is the input --prompts {prompts}",
+        "out-is-prompts-other-spelling": "is the input --prompts",
+        "metrics-is-prompts": f"--metrics {prompts}: is the input --prompts",
+        "metrics-dir-missing": f"--metrics {tmp_path}/gone/m.json: directory {tmp_path}/gone "
+                               "does not exist",
+        "out-dir-missing": f"--out {tmp_path}/gone/o.jsonl: directory {tmp_path}/gone does not exist",
+        "out-is-a-dir": f"--out {tmp_path}: is a directory",
+        "out-is-metrics": f"--metrics {out}: is the output --out {out}",
+    }[case]
+    if case == "out-is-prompts":
+        out = prompts
+    elif case == "out-is-prompts-other-spelling":
+        out = tmp_path / "sub" / ".." / "sub" / "prompts.jsonl"
+    elif case == "metrics-is-prompts":
+        metrics = prompts
+    elif case == "metrics-dir-missing":
+        metrics = tmp_path / "gone" / "m.json"
+    elif case == "out-dir-missing":
+        out = tmp_path / "gone" / "o.jsonl"
+    elif case == "out-is-a-dir":
+        out = tmp_path
+    else:
+        metrics = out
+    args = ["--target", tmp_path / "no-target", "--drafter", "none", "--prompts", prompts,
+            "--out", out] + (["--metrics", metrics] if metrics else [])
+    proc = decode_cli(*args, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "usage:" in proc.stderr and message in proc.stderr, proc.stderr
+    assert "not found" not in proc.stderr and "Traceback" not in proc.stderr
+    assert prompts.read_text() == '{"prompt": "keep me"}\n'
+    assert not (tmp_path / "gone").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sub"]
+
+
+def test_empty_prompt_file_stops_before_loading(pair, tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n  \n")
+    out = tmp_path / "out.jsonl"
+    proc = decode_cli(*plain_args(pair, path, out), timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"error: {path}: no prompt records (the file is empty); nothing to decode"]
+    assert proc.stdout == "" and not out.exists() and not Path(f"{out}.partial").exists()
+
+
+def test_only_bad_records_stop_before_compiling(pair, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": ""}\n{"prompt": "x", "top_k": -2}\n')
+    out = tmp_path / "out.jsonl"
+    proc = decode_cli(*plain_args(pair, path, out), timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines()[-3:] == [
+        f"error: {path}:1: 'prompt' is empty",
+        f"error: {path}:2: 'top_k' must be an integer >= 0 (0 = off), got -2",
+        f"error: {path}: no record could be decoded (2 bad)"], proc.stderr
+    assert "compiling" not in proc.stderr and not out.exists()
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)],
+                         ids=["SIGTERM", "SIGINT"])
+def test_interrupted_run_keeps_its_finished_results(pair, tok, tmp_path, sig, code):
+    """Signalled mid-run: OUT is never written, OUT.partial holds whole lines of finished
+    requests only."""
+    path = tmp_path / "many.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Count from {i} to {i + 40}."}) + "\n"
+                            for i in range(2000)))
+    out = tmp_path / "out.jsonl"
+    partial = Path(f"{out}.partial")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "serve.decode",
+                             *map(str, plain_args(pair, path, out, "--max-new-tokens", "48"))],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (partial.exists() and partial.read_text().count("\n") >= 3):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, stdout + stderr
+    assert "interrupted" in stderr and f"were written to {partial}" in stderr, stderr
+    assert not out.exists()
+    raw = partial.read_text(encoding="utf-8")
+    assert raw.endswith("\n")
+    lines = [json.loads(line) for line in raw.splitlines()]
+    assert 3 <= len(lines) < 2000
+    for r in lines:
+        assert r["completion"] == tok.decode(r["token_ids"]) and r["finish_reason"]
