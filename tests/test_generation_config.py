@@ -132,3 +132,28 @@ def test_bad_record_values_name_where_key_and_what(key, value, expected):
     with pytest.raises(DataError) as err:
         SamplingSettings().with_record({"prompt": "hi", key: value}, where="p.jsonl:4")
     assert str(err.value).startswith(f"p.jsonl:4: '{key}' must be ") and expected in str(err.value)
+
+
+# ------------------------------------------------------------------ stop strings
+
+PIECES = ["He", "llo", " wo", "rld", "!", "é"]
+
+
+def toy_decode(ids):
+    return "".join(PIECES[i] for i in ids)
+
+
+@pytest.mark.parametrize("stops, ids, text, stopped", [
+    ([], [0, 1, 2, 3, 4, 5], "Hello world!é", False),
+    (["xyz"], [0, 1, 2, 3, 4, 5], "Hello world!é", False),
+    (["o w"], [0, 1], "Hell", True),  # " wo" straddles the cut: "llo" is needed, " wo" is not
+    (["rld", "llo"], [0], "He", True),  # the earliest of several
+    (["He"], [], "", True),  # at the very start: nothing is kept
+    (["!"], [0, 1, 2, 3], "Hello world", True),
+    (["d!"], [0, 1, 2, 3], "Hello worl", True),
+])
+def test_cut_at_stop(stops, ids, text, stopped):
+    from dspark_jax.decoding.stop_strings import cut_at_stop, find_stop
+
+    assert cut_at_stop([0, 1, 2, 3, 4, 5], toy_decode, stops) == (ids, text, stopped)
+    assert (find_stop("Hello world!é", stops) is not None) == stopped
