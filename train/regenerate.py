@@ -27,8 +27,10 @@ Process I takes the records whose index % N == I and writes out.I-of-N.jsonl (an
 out.I-of-N.stats.json); join them with `cat out.*-of-2.jsonl > out.jsonl`.
 
 The context (--max-len) defaults to min(8192, the target's maximum) here: a turn whose prompt
-does not fit is reported and its record skipped. A bad record is reported with its file and line
-and skipped; the command then exits with status 1.
+does not fit is reported and its record skipped (tried again on a rerun; the exit status stays 0).
+A bad record is reported with its file and line and skipped; the command then exits with status 1.
+With a fixed --seed a request's random stream depends only on its record id and turn, so under
+plain decoding or --scheduler fixed a resumed run samples what an uninterrupted one would.
 """
 
 import argparse
