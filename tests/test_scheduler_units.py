@@ -266,3 +266,47 @@ def test_choose_bucket_is_the_argmax_over_every_bucket():
         options.update({("spec", F): (n + pool[:F - n].sum()) / s for F, s in spec.items()})
         best = max(options.values())
         assert options[choose_bucket(est, n, spec, plain)] == pytest.approx(best, rel=1e-12)
+
+
+def test_async_estimates_absorbed_lazily_equal_one_round_at_a_time():
+    """The async policy folds the rounds read since its last decision in at once; the survival
+    estimates, the per-position correction and a new request's prior are those of reading them
+    one by one (DECAY per round), with requests joining between rounds."""
+    from types import SimpleNamespace
+
+    from dspark_jax.decoding.policies import AsyncPolicy
+    from dspark_jax.decoding.state import RoundOutput
+
+    R, gamma = 4, 3
+    rng = np.random.default_rng(0)
+    engine = SimpleNamespace(R=R, gamma=gamma)
+    lazy, eager = AsyncPolicy(engine), AsyncPolicy(engine)
+
+    def by_hand(policy, out):  # the rule, one round at a time
+        active = np.flatnonzero(out.was_active)
+        a = out.survival[active].astype(np.float64)
+        j = np.arange(gamma)
+        verified = j < out.verified[active][:, None]
+        survived = j < out.accepted[active][:, None]
+        policy.predicted = policy.DECAY * policy.predicted + np.where(verified, a, 0.0).sum(0)
+        policy.observed = policy.DECAY * policy.observed + survived.sum(0)
+        policy.estimates[active] = a
+        policy.prior = a.mean(0)
+
+    for t in range(11):
+        a = np.cumprod(rng.uniform(0.3, 1.0, (R, gamma)), 1).astype(np.float32)
+        ell = rng.integers(0, gamma + 1, R)
+        out = RoundOutput(tokens=np.zeros((R, gamma + 1), np.int32), count=ell + 1, verified=ell,
+                          accepted=np.minimum(ell, rng.integers(0, gamma + 1, R)),
+                          finish=np.zeros(R, np.int32), was_active=rng.random(R) < 0.7,
+                          conf_logits=np.zeros((R, gamma), np.float32), survival=a)
+        out.was_active[0] = True
+        lazy.observe(out, list(range(R)))
+        by_hand(eager, out)
+        if t in (3, 7):  # a request joins slot 2
+            lazy.admitted(2)
+            eager.estimates[2] = eager.prior
+    lazy._absorb()
+    for name in ("estimates", "predicted", "observed", "prior"):
+        np.testing.assert_allclose(getattr(lazy, name), getattr(eager, name), rtol=1e-12, err_msg=name)
+    np.testing.assert_allclose(lazy.correction(), eager.correction(), rtol=1e-12)

@@ -34,11 +34,11 @@ from dspark_jax.decoding.requests import Request, Result
 from dspark_jax.decoding.schedulers import SchedulerConfig
 from dspark_jax.decoding.state import (
     FINISH_REASONS,
-    NO_STOP,
     RUNNING,
     EngineShape,
     RoundOutput,
     init_state,
+    prefill_arrays,
 )
 from dspark_jax.errors import DSparkError
 
@@ -152,7 +152,7 @@ class Engine:
             donate = (0,)
             if kind == "prefill":
                 fn = functools.partial(rounds.prefill, self.shape)
-                args += self._prefill_args(*static)
+                args += prefill_arrays(self.R, self.NS, *static)
             elif kind == "greedy_plan":
                 fn = functools.partial(rounds.greedy_plan, self.shape)
                 args += (self._sps_placeholder(),)
@@ -190,27 +190,6 @@ class Engine:
     def _sps_placeholder(self):
         return jax.ShapeDtypeStruct((self.R * self.W + 1,), jnp.float32)
 
-    def _prefill_args(self, J, P, batch=None):
-        """Host arrays for one prefill call (zeros/unused rows when `batch` is None)."""
-        slot_idx = np.full(J, self.R, np.int32)
-        tokens = np.zeros((J, P), np.int32)
-        lengths = np.ones(J, np.int32)
-        max_new = np.ones(J, np.int32)
-        temperature = np.zeros(J, np.float32)
-        top_p = np.ones(J, np.float32)
-        top_k = np.zeros(J, np.int32)
-        seed = np.zeros(J, np.uint32)
-        stop_ids = np.full((J, self.NS), NO_STOP, np.int32)
-        for i, (slot, req) in enumerate(batch or []):
-            slot_idx[i] = slot
-            tokens[i, :len(req.prompt_ids)] = req.prompt_ids
-            lengths[i] = len(req.prompt_ids)
-            max_new[i] = req.max_new_tokens
-            temperature[i], top_p[i], top_k[i] = req.temperature, req.top_p, req.top_k
-            seed[i] = req.stream
-            stop_ids[i, :len(req.stop_ids)] = req.stop_ids
-        return slot_idx, tokens, lengths, max_new, temperature, top_p, top_k, seed, stop_ids
-
     def prefill_chunks(self, joiners: list[tuple[int, Request]]) -> list[list]:
         """(slot, request) pairs grouped by prompt bucket, in chunks of the largest batch bucket."""
         groups = _group_by(joiners, lambda sr: bucket_for(len(sr[1].prompt_ids), self.prefill_buckets))
@@ -221,7 +200,7 @@ class Engine:
         P = bucket_for(max(len(req.prompt_ids) for _, req in chunk), self.prefill_buckets)
         J = bucket_for(len(chunk), self.batch_buckets)
         self.state, out = self._program(("prefill", J, P))(
-            self.state, self.tparams, self.dparams, *self._prefill_args(J, P, chunk))
+            self.state, self.tparams, self.dparams, *prefill_arrays(self.R, self.NS, J, P, chunk))
         return out
 
     def reset(self) -> None:
@@ -330,7 +309,7 @@ class Engine:
                 for i, (slot, _) in enumerate(chunk):
                     live[slot].token_ids.append(int(first[i]))
                     if lp:
-                        _take_logprobs(live[slot], *(a[i:i + 1] for a in lp))
+                        live[slot].take_logprobs(*(a[i:i + 1] for a in lp))
                     tally.prefill_token()
                     if codes[i] != RUNNING:
                         finish(slot, FINISH_REASONS[int(codes[i])])
@@ -349,8 +328,8 @@ class Engine:
                 c, ell, k = int(out.count[slot]), int(out.verified[slot]), int(out.accepted[slot])
                 res.token_ids += out.tokens[slot, :c].tolist()
                 if out.logprob is not None:
-                    _take_logprobs(res, out.logprob[slot, :c], out.top_ids[slot, :c],
-                                   out.top_logprobs[slot, :c])
+                    res.take_logprobs(out.logprob[slot, :c], out.top_ids[slot, :c],
+                                      out.top_logprobs[slot, :c])
                 res.accepted.append(c)
                 res.verified.append(ell)
                 if keep_confidences:
@@ -423,12 +402,6 @@ class Engine:
 
 
 _END = object()  # the end of a request iterator
-
-
-def _take_logprobs(res: Result, logprob, top_ids, top_logprobs) -> None:
-    """Appends tokens' logprobs [c] and their top (id, logprob) pairs [c, N] to a result."""
-    res.logprobs += logprob.tolist()
-    res.top_logprobs += [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_logprobs.tolist())]
 
 
 def _powers_of_two(lo: int, hi: int) -> list[int]:

@@ -107,6 +107,7 @@ class AsyncPolicy(Policy):
         self.last = None  # (kind, bucket, live count) of the last decision
         self.age = 0  # rounds it has been used for
         self.table = None  # (profile, BucketTable of the compiled buckets)
+        self.pending = []  # round outputs read since the last decision
 
     def programs(self):
         return super().programs() + [("topk", F) for F in self.engine.spec_buckets] + [("flush",)]
@@ -136,6 +137,7 @@ class AsyncPolicy(Policy):
 
     def choose(self, live, rooms) -> tuple[str, int]:
         e = self.engine
+        self._absorb()
         if self.table is None or self.table[0] is not e.profile:
             self.table = (e.profile, BucketTable({F: e.profile.spec[F] for F in e.spec_buckets},
                                                  {F: e.profile.plain[F] for F in e.plain_buckets}))
@@ -147,21 +149,35 @@ class AsyncPolicy(Policy):
         return kind, F
 
     def admitted(self, slot):
+        self._absorb()  # rounds read so far may still describe the slot's previous request
         self.estimates[slot] = self.prior
         self.last = None  # a new request: decide again
 
     def observe(self, out, live):
-        active = np.flatnonzero(out.was_active)
-        if out.survival.shape[1] == 0 or not len(active):
+        # Kept until the next decision: the estimates are read only then, and absorbing a few
+        # rounds at once costs the host about what one costs.
+        if out.survival.shape[1] and out.was_active.any():
+            self.pending.append(out)
+
+    def _absorb(self) -> None:
+        """Folds the rounds read since the last decision into the estimates, as if one by one."""
+        if not self.pending:
             return
-        a = out.survival[active].astype(np.float64)  # [n, γ]
-        j = np.arange(a.shape[1])
-        verified = j < out.verified[active][:, None]
-        survived = j < out.accepted[active][:, None]
-        self.predicted = self.DECAY * self.predicted + np.where(verified, a, 0.0).sum(0)
-        self.observed = self.DECAY * self.observed + survived.sum(0)
-        self.estimates[active] = a
-        self.prior = a.mean(0)
+        outs, self.pending = self.pending, []
+        a = np.stack([o.survival for o in outs]).astype(np.float64)  # [m, R, γ]
+        active = np.stack([o.was_active for o in outs])  # [m, R]
+        j = np.arange(a.shape[2])
+        verified = (j < np.stack([o.verified for o in outs])[..., None]) & active[..., None]
+        survived = (j < np.stack([o.accepted for o in outs])[..., None]) & active[..., None]
+        m = len(outs)
+        weight = self.DECAY ** np.arange(m - 1, -1, -1.0)  # round t is decayed m-1-t times
+        self.predicted = self.DECAY ** m * self.predicted + np.einsum(
+            "m,mrj->j", weight, np.where(verified, a, 0.0))
+        self.observed = self.DECAY ** m * self.observed + np.einsum("m,mrj->j", weight, survived)
+        seen = active.any(0)
+        latest = m - 1 - np.argmax(active[::-1], axis=0)  # each slot's last active round
+        self.estimates[seen] = a[latest[seen], np.flatnonzero(seen)]
+        self.prior = a[-1][active[-1]].mean(0)
 
 
 def make_policy(engine) -> Policy:

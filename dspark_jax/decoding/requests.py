@@ -56,3 +56,9 @@ class Result:
     # (log-softmax at T = 1, unfiltered) and its N most likely (id, logprob) pairs.
     logprobs: list[float] = dataclasses.field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+
+    def take_logprobs(self, logprob, top_ids, top_logprobs) -> None:
+        """Appends tokens' logprobs [c] and their top (id, logprob) pairs [c, N]."""
+        self.logprobs += logprob.tolist()
+        self.top_logprobs += [list(zip(i, v)) for i, v in zip(top_ids.tolist(),
+                                                              top_logprobs.tolist())]

@@ -163,3 +163,26 @@ def init_state(shape: EngineShape, seed: int, mesh: Mesh | None = None) -> Engin
     shard = shard.replace(target_cache=KVCache(k=cache, v=cache),
                           draft_cache=None if draft is None else DraftCache(k=cache, v=cache))
     return jax.device_put(state, shard)
+
+
+def prefill_arrays(R: int, NS: int, J: int, P: int, batch=None) -> tuple:
+    """Host arrays for one prefill call of J prompts padded to P tokens, from (slot, Request) pairs
+    in `batch` (unused rows point at slot R, past the last; all of them when `batch` is None)."""
+    slot_idx = np.full(J, R, np.int32)
+    tokens = np.zeros((J, P), np.int32)
+    lengths = np.ones(J, np.int32)
+    max_new = np.ones(J, np.int32)
+    temperature = np.zeros(J, np.float32)
+    top_p = np.ones(J, np.float32)
+    top_k = np.zeros(J, np.int32)
+    seed = np.zeros(J, np.uint32)
+    stop_ids = np.full((J, NS), NO_STOP, np.int32)
+    for i, (slot, req) in enumerate(batch or []):
+        slot_idx[i] = slot
+        tokens[i, :len(req.prompt_ids)] = req.prompt_ids
+        lengths[i] = len(req.prompt_ids)
+        max_new[i] = req.max_new_tokens
+        temperature[i], top_p[i], top_k[i] = req.temperature, req.top_p, req.top_k
+        seed[i] = req.stream
+        stop_ids[i, :len(req.stop_ids)] = req.stop_ids
+    return slot_idx, tokens, lengths, max_new, temperature, top_p, top_k, seed, stop_ids
