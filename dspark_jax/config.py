@@ -161,6 +161,9 @@ class TrainConfig:
     max_length: int = 4096
     # Handed to the chat template when rendering training conversations; None = not passed (DeepSpec).
     enable_thinking: bool | None = None
+    # Prepended to training conversations without their own system message; None = the template
+    # family's default (DeepSpec: Qwen's "You are a helpful assistant."), "" = none.
+    system_prompt: str | None = None
     global_batch_size: int = 512
     epochs: float = 10.0
     max_steps: int = 0  # > 0 overrides epochs

@@ -91,7 +91,7 @@ def tiny_target(tmp_path_factory):
     # <|endoftext|> (0) a document.
     gen = json.loads((target / "generation_config.json").read_text())
     (target / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [2, 0]}))
-    return fit_on_data(target, data, t, steps=150), data
+    return fit_on_data(target, data, t, steps=300), data
 
 
 def fit_on_data(target: Path, data: Path, t, steps: int) -> Path:
@@ -103,7 +103,8 @@ def fit_on_data(target: Path, data: Path, t, steps: int) -> Path:
 
     cfg, params = hf_checkpoint.load_target(target, target_layer_ids=list(t.target_layer_ids),
                                             mask_token_id=t.mask_token_id)
-    ds = load_conversations(data, load_tokenizer(target), max_length=64, min_length=5)
+    ds = load_conversations(data, load_tokenizer(target), max_length=64, min_length=5,
+                            system_prompt="")  # as the dspark-tiny preset
     batches = BatchIterator(ds, global_batch_size=16, num_anchors=1, block_size=4, seed=1)
     params, _ = fit_target(params, cfg, iter(batches), steps)
     hf_checkpoint.save_target(params, cfg, target)

@@ -41,7 +41,7 @@ def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 def synthetic(tok: Tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Dataset:
     """40 synthetic conversations, capped at 48 tokens."""
     path = write_synthetic_conversations(tmp_path_factory.mktemp("data") / "train.jsonl", 40, seed=0)
-    return load_conversations(path, tok, max_length=48, min_length=BLOCK + 1)
+    return load_conversations(path, tok, max_length=48, min_length=BLOCK + 1, system_prompt="")  # as dspark-tiny
 
 
 def write_records(path: Path, records: list) -> Path:
@@ -53,7 +53,7 @@ def write_records(path: Path, records: list) -> Path:
 
 def chat(user: str, assistant: str) -> dict:
     """A one-exchange record with a short system message of its own (no default system prompt)."""
-    return {"conversations": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": user},
+    return {"conversations": [{"role": "system", "content": "Answer exactly."}, {"role": "user", "content": user},
                               {"role": "assistant", "content": assistant}]}
 
 
@@ -194,7 +194,7 @@ def test_synthetic_writer(tok: Tokenizer, tmp_path: Path) -> None:
             if user["role"] == "user" and user["content"].startswith("Count from "):
                 lo, hi = map(int, re.findall(r"\d+", user["content"]))
                 assert answer["content"] == " ".join(str(i) for i in range(lo, hi + 1))
-    ds = load_conversations(a, tok, max_length=128, min_length=BLOCK + 1)
+    ds = load_conversations(a, tok, max_length=128, min_length=BLOCK + 1, system_prompt="")
     assert ds.stats.kept == 30 and ds.stats.truncated == 0
 
 
@@ -326,7 +326,7 @@ def test_state_restore(synthetic: Dataset, split: int) -> None:
 def test_restore_changed_dataset_errors(synthetic: Dataset, tok: Tokenizer, tmp_path: Path) -> None:
     state = iterator(synthetic).state()
     path = write_synthetic_conversations(tmp_path / "other.jsonl", 40, seed=99)
-    other = load_conversations(path, tok, max_length=48, min_length=BLOCK + 1)
+    other = load_conversations(path, tok, max_length=48, min_length=BLOCK + 1, system_prompt="")
     with pytest.raises(DataError, match=r"other\.jsonl: the training data changed since the iterator state was saved"):
         iterator(other).restore(state)
     fewer = Dataset(

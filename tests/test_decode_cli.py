@@ -98,13 +98,17 @@ def tok(pair):
     return load_tokenizer(pair[0])
 
 
+# A raw prompt (used verbatim) that the tiny target answers at length: a chat written out by hand.
+RAW_COUNT = "<|im_start|>user\nCount from 3 to 9.<|im_end|>\n<|im_start|>assistant\n"
+
+
 @pytest.fixture(scope="module")
 def prompts(tok, tmp_path_factory):
     """(prompt file, {id: (expected prompt text, raw prompt token count or None)})."""
     near_a, near_b, full = word_cycle(tok, MAX_LEN - 8), word_cycle(tok, MAX_LEN - 5), \
         text_of_exactly(tok, MAX_LEN)
     records = [
-        ({"id": "raw-count", "prompt": "Count from 3 to 9."}, "raw-count", "Count from 3 to 9."),
+        ({"id": "raw-count", "prompt": RAW_COUNT}, "raw-count", RAW_COUNT),
         ({"turns": ["Repeat 'red blue' 3 times.", "And again, please."]}, "1",
          chatml(("user", "Repeat 'red blue' 3 times."))),
         ({"id": 7, "conversations": [
@@ -377,12 +381,12 @@ def test_records_settings_stops_and_logprobs(runs, pair, tok, tmp_path):
         {"do_sample": True, "temperature": 0.9, "top_p": 0.8, "top_k": 7,
          "eos_token_id": sorted(stop_ids)}))
     records = [
-        {"id": "raw-count", "prompt": "Count from 3 to 9.", "stop": [stop, "\u2603never"]},
+        {"id": "raw-count", "prompt": RAW_COUNT, "stop": [stop, "\u2603never"]},
         {"id": "7", "conversations": [
             {"role": "system", "content": "Answer exactly."},
             {"role": "user", "content": "Continue the pattern: cat dog"}], "stop": []},
         {"id": "flag-stop", "turns": ["Count from 1 to 8."]},
-        {"id": "sampled", "prompt": "Count from 3 to 9.", "temperature": 0.7, "top_p": 0.9,
+        {"id": "sampled", "prompt": RAW_COUNT, "temperature": 0.7, "top_p": 0.9,
          "top_k": 5, "max_new_tokens": 5, "seed": 11},
         {"id": "bad-t", "prompt": "x", "temperature": -1},
         {"id": "bad-stop", "prompt": "x", "stop": ["ok", 3]},

@@ -467,3 +467,24 @@ def test_records_cli(tok: Tokenizer, tiny_dir: Path, tmp_path: Path) -> None:
     colored = run_records("--target", str(tiny_dir), "--data", str(data), "--limit", "1", "--color", "always")
     assert colored.returncode == 0 and "\x1b[1;32mIt is four." in colored.stdout
     assert "1 records: 1 kept" in colored.stdout
+
+
+def test_system_prompt_setting_replaces_or_drops_the_default(tok: Tokenizer, tmp_path: Path) -> None:
+    """train.system_prompt: None keeps the family's default, a string replaces it, "" drops it;
+    a conversation's own system message wins over all three."""
+    def rendered(record, system_prompt):
+        return training_example(tok, record, system_prompt=system_prompt).text
+
+    plain = {"conversations": chat(("user", "hi"), ("assistant", "hello"))}
+    assert "You are a helpful assistant." in rendered(plain, None)
+    assert "Be brief." in rendered(plain, "Be brief.")
+    assert "Be brief." not in rendered(plain, None)
+    assert rendered(plain, "").startswith("<|im_start|>user\n")
+    own = {"conversations": [{"role": "system", "content": "Mine."}] + chat(("user", "hi"), ("assistant", "hello"))}
+    for setting in (None, "", "Be brief."):
+        text = rendered(own, setting)
+        assert "Mine." in text and "Be brief." not in text and "helpful" not in text
+    path = write_jsonl(tmp_path / "one.jsonl", [plain])
+    short = load_conversations(path, tok, max_length=200, min_length=2, system_prompt="")
+    full = load_conversations(path, tok, max_length=200, min_length=2)
+    assert len(full.input_ids[0]) > len(short.input_ids[0])

@@ -26,6 +26,9 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=0, help="only the first N records (0 = all)")
     ap.add_argument("--enable-thinking", choices=("true", "false"), default=None,
                     help="hand enable_thinking to the template (default: not passed, as train.enable_thinking)")
+    ap.add_argument("--system-prompt", default=None,
+                    help="prepended to conversations without their own system message (default: the "
+                         "template family's, as train.system_prompt; '' for none)")
     ap.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     args = ap.parse_args(argv)
     if args.max_length < 2 or args.min_length < 2 or args.limit < 0:
@@ -48,7 +51,8 @@ def main(argv=None) -> int:
         tokenizer = load_tokenizer(args.target)
         views = []
         for view in view_records(args.data, tokenizer, max_length=args.max_length, min_length=args.min_length,
-                                 enable_thinking=thinking, limit=args.limit):
+                                 enable_thinking=thinking, system_prompt=args.system_prompt,
+                                 limit=args.limit):
             views.append(view)
             print(format_view(tokenizer, view, color=color) + "\n", flush=True)
         written = write_training_jsonl(views, args.jsonl, source=args.data) if args.jsonl else None

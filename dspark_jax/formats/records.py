@@ -347,15 +347,18 @@ def conversation_example(
     *,
     tools: Sequence[Mapping[str, Any]] | None = None,
     enable_thinking: bool | None = None,
+    system_prompt: str | None = None,
     where: str = "",
 ) -> TrainingExample:
-    """Rules 1-5 of the module docstring applied to chat messages."""
+    """Rules 1-5 of the module docstring applied to chat messages. ``system_prompt`` replaces the
+    family's default system prompt of rule 1 ("": none); None keeps it."""
     messages = normalize_messages(list(messages), where=where)
     if not messages:
         raise DataError(_prefix(where, "conversation has no messages"))
     family = _template_family(tokenizer)
-    if messages[0]["role"] != "system" and family.default_system_prompt is not None:
-        messages.insert(0, {"role": "system", "content": family.default_system_prompt})
+    default = family.default_system_prompt if system_prompt is None else system_prompt
+    if messages[0]["role"] != "system" and default:
+        messages.insert(0, {"role": "system", "content": default})
     first = 1 if messages[0]["role"] == "system" else 0
     if len(messages) <= first or messages[first]["role"] != "user":
         got = repr(messages[first]["role"]) if len(messages) > first else "nothing"
@@ -372,15 +375,17 @@ def conversation_example(
 
 def encode_conversation(
     tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], *, where: str = "",
-    enable_thinking: bool | None = None,
+    enable_thinking: bool | None = None, system_prompt: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Ids (int32) and loss mask (bool) of chat messages as a training conversation."""
-    example = conversation_example(tokenizer, messages, where=where, enable_thinking=enable_thinking)
+    example = conversation_example(tokenizer, messages, where=where, enable_thinking=enable_thinking,
+                                   system_prompt=system_prompt)
     return example.input_ids, example.loss_mask
 
 
 def training_example(
-    tokenizer: Tokenizer, record: Mapping[str, Any], *, where: str = "", enable_thinking: bool | None = None
+    tokenizer: Tokenizer, record: Mapping[str, Any], *, where: str = "", enable_thinking: bool | None = None,
+    system_prompt: str | None = None,
 ) -> TrainingExample | None:
     """The training example of a ``conversations``/``turns`` record; None when it has no assistant turn."""
     kind = _check_record(record, where)
@@ -397,12 +402,15 @@ def training_example(
         tools = _record_tools(record, where)
     if not any(m["role"] == "assistant" for m in messages):
         return None
-    return conversation_example(tokenizer, messages, tools=tools, enable_thinking=enable_thinking, where=where)
+    return conversation_example(tokenizer, messages, tools=tools, enable_thinking=enable_thinking,
+                                system_prompt=system_prompt, where=where)
 
 
 def encode_training_record(
-    tokenizer: Tokenizer, record: Mapping[str, Any], *, where: str = "", enable_thinking: bool | None = None
+    tokenizer: Tokenizer, record: Mapping[str, Any], *, where: str = "", enable_thinking: bool | None = None,
+    system_prompt: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Ids and loss mask of a chat record (see :func:`training_example`); None without an assistant turn."""
-    example = training_example(tokenizer, record, where=where, enable_thinking=enable_thinking)
+    example = training_example(tokenizer, record, where=where, enable_thinking=enable_thinking,
+                               system_prompt=system_prompt)
     return None if example is None else (example.input_ids, example.loss_mask)

@@ -93,11 +93,13 @@ def is_too_short(loss_mask: np.ndarray, min_length: int) -> bool:
 
 
 def load_conversations(path: str | Path, tokenizer: Tokenizer, *, max_length: int, min_length: int,
-                       enable_thinking: bool | None = None) -> Dataset:
+                       enable_thinking: bool | None = None, system_prompt: str | None = None
+                       ) -> Dataset:
     """Tokenize every ``conversations``/``turns`` record of a JSONL file (see :class:`DatasetStats`).
 
     Records longer than ``max_length`` tokens are cut to it. Training callers pass
-    ``min_length = block_size + 1``. ``enable_thinking`` is handed to the chat template when not None.
+    ``min_length = block_size + 1``. ``enable_thinking`` is handed to the chat template when not None;
+    ``system_prompt`` replaces the template family's default one ("": none) when not None.
     Raises DataError naming file and line for the first unreadable record, and naming the file and
     the skip counts when no record is usable.
     """
@@ -110,7 +112,8 @@ def load_conversations(path: str | Path, tokenizer: Tokenizer, *, max_length: in
     read = no_assistant = too_short = truncated = 0
     for line_no, record in read_jsonl(path):
         read += 1
-        example = training_example(tokenizer, record, where=f"{path}:{line_no}", enable_thinking=enable_thinking)
+        example = training_example(tokenizer, record, where=f"{path}:{line_no}", enable_thinking=enable_thinking,
+                                   system_prompt=system_prompt)
         if example is None:
             no_assistant += 1
             continue
@@ -376,9 +379,10 @@ def write_synthetic_conversations(
 ) -> Path:
     """Write ``n`` learnable chat records (counting, repeating, cycling words) as JSONL; deterministic in ``seed``.
 
-    Every record opens with a short system message of its own: tiny models train on 64-token rows,
-    and the default system prompt a Qwen-family template gets otherwise would fill half of each.
-    Some records have a second exchange, so masks cover several assistant turns.
+    Some records have a system message or a second exchange, so masks cover several assistant turns.
+    The others get the template family's default system prompt when loaded, unless the loader is
+    told otherwise (the tiny presets set ``train.system_prompt: ""``: Qwen's default would fill half
+    of a 64-token row in the tiny vocabulary).
     """
     if len(vocab_words) < 4:
         raise ConfigError(f"data: synthetic data needs at least 4 vocab_words, got {len(vocab_words)}")
@@ -386,7 +390,9 @@ def write_synthetic_conversations(
     path = Path(path)
     lines = []
     for i in range(n):
-        messages = [{"role": "system", "content": "Answer exactly." if rng.random() < 0.2 else "Be brief."}]
+        messages = []
+        if rng.random() < 0.2:
+            messages.append({"role": "system", "content": "Answer exactly."})
         for _ in range(2 if rng.random() < 0.25 else 1):
             user, assistant = _synthetic_exchange(rng, vocab_words)
             messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]

@@ -76,7 +76,8 @@ def make_tiny_target(out_dir, data_file, cfg: TargetConfig, *, steps: int = 150,
         json.dumps({"eos_token_id": [im_end, end_of_text]}) + "\n")
     params = init_params(target_spec(cfg), jax.random.key(seed))
     params = jax.tree.map(lambda x: x * 5 if x.ndim > 1 else x, params)  # std 0.1: a livelier start
-    ds = load_conversations(data_file, tokenizer, max_length=max_length, min_length=2)
+    ds = load_conversations(data_file, tokenizer, max_length=max_length, min_length=2,
+                            system_prompt="")  # as the tiny drafter presets
     batches = BatchIterator(ds, global_batch_size=min(16, len(ds)), num_anchors=1, block_size=1,
                             seed=seed)
     params, _ = fit_target(params, cfg, iter(batches), steps)

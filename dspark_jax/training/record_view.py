@@ -53,7 +53,7 @@ class RecordView:
 
 def view_records(
     path: str | Path, tokenizer: Tokenizer, *, max_length: int, min_length: int = 2,
-    enable_thinking: bool | None = None, limit: int = 0,
+    enable_thinking: bool | None = None, system_prompt: str | None = None, limit: int = 0,
 ) -> Iterator[RecordView]:
     """A :class:`RecordView` per non-blank line of ``path`` (the first ``limit`` when > 0)."""
     for index, (line_no, obj) in enumerate(iter_jsonl(path)):
@@ -66,7 +66,8 @@ def view_records(
                 raise obj
             if not isinstance(obj, dict):
                 raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            example = training_example(tokenizer, obj, where=where, enable_thinking=enable_thinking)
+            example = training_example(tokenizer, obj, where=where, enable_thinking=enable_thinking,
+                                       system_prompt=system_prompt)
         except DataError as err:
             yield RecordView(where, record_id, None, None, None, str(err))
             continue

@@ -88,7 +88,8 @@ def setup(cfg: Config) -> Setup:
                           f"target.vocab_size {cfg.target.vocab_size}")
     dataset = load_conversations(cfg.train.data_file, tokenizer, max_length=cfg.train.max_length,
                                  min_length=cfg.drafter.block_size + 1,
-                                 enable_thinking=cfg.train.enable_thinking)
+                                 enable_thinking=cfg.train.enable_thinking,
+                                 system_prompt=cfg.train.system_prompt)
     iterator = BatchIterator(dataset, global_batch_size=cfg.train.global_batch_size,
                              num_anchors=cfg.drafter.num_anchors, block_size=cfg.drafter.block_size,
                              seed=cfg.train.seed, process_index=jax.process_index(),
