@@ -38,6 +38,7 @@ import jinja2.ext
 import jinja2.sandbox
 
 from dspark_jax.errors import CheckpointError, DataError
+from dspark_jax.formats.generation_config import read_json_object
 
 TEMPLATE_FILE = "chat_template.jinja"
 CONFIG_FILE = "tokenizer_config.json"
@@ -232,18 +233,6 @@ def builtin_chatml() -> ChatTemplate:
     return ChatTemplate(CHATML_TEMPLATE, origin="built-in ChatML", builtin=True)
 
 
-def _read_config(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path}: cannot read JSON ({err})") from err
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
 def _special_tokens(config: Mapping[str, Any], path: Path) -> dict[str, str]:
     tokens = {}
     for key in SPECIAL_TOKEN_KEYS:
@@ -283,7 +272,7 @@ def load_chat_template(directory: str | Path) -> ChatTemplate | None:
     """The template of a tokenizer directory (see the module docstring), or None when it has none."""
     directory = Path(directory)
     config_path = directory / CONFIG_FILE
-    config = _read_config(config_path)
+    config = read_json_object(config_path) or {}
     special = _special_tokens(config, config_path)
     jinja_path = directory / TEMPLATE_FILE
     if jinja_path.is_file():

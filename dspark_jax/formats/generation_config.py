@@ -26,7 +26,7 @@ GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
 RECORD_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop", "seed")
 
 
-def _read_json(path: Path) -> dict | None:
+def read_json_object(path: Path) -> dict | None:
     """The JSON object in `path`, None when there is no such file."""
     if not path.is_file():
         return None
@@ -54,7 +54,7 @@ def sampling_defaults(model_dir: str | Path) -> dict[str, float | int]:
     """{"temperature", "top_p", "top_k"} from `model_dir/generation_config.json` (greedy when it
     says `do_sample: false`), the greedy defaults where it is silent."""
     path = Path(model_dir) / GENERATION_CONFIG
-    data = _read_json(path) or {}
+    data = read_json_object(path) or {}
     if data.get("do_sample", True) is False:
         return dict(GREEDY)
     out = dict(GREEDY)
@@ -92,7 +92,7 @@ def _sampling_problem(key: str, value: Any) -> str | None:
 def _eos_ids(path: Path) -> list[int] | None:
     """`eos_token_id` (int or list of ints) of a JSON config; None if the file or key is absent
     (or null)."""
-    data = _read_json(path)
+    data = read_json_object(path)
     value = None if data is None else data.get("eos_token_id")
     if value is None:
         return None
@@ -107,7 +107,7 @@ def tokenizer_eos_token(model_dir: str | Path) -> str | None:
     """`eos_token` of `model_dir/tokenizer_config.json` (a string or an AddedToken object with a
     "content"), None when absent."""
     path = Path(model_dir) / "tokenizer_config.json"
-    data = _read_json(path)
+    data = read_json_object(path)
     value = None if data is None else data.get("eos_token")
     if isinstance(value, Mapping):
         value = value.get("content")
