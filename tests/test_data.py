@@ -94,6 +94,7 @@ def test_loss_mask_only_on_assistant(tok: Tokenizer, tmp_path: Path) -> None:
     assert ds.stats.as_dict() == {
         "records_read": 1,
         "kept": 1,
+        "skipped_bad": 0,
         "skipped_no_assistant": 0,
         "skipped_too_short": 0,
         "truncated": 0,
@@ -143,6 +144,7 @@ def test_skip_counts(tok: Tokenizer, tmp_path: Path) -> None:
     assert ds.stats.as_dict() == {
         "records_read": 7,
         "kept": 2,
+        "skipped_bad": 0,
         "skipped_no_assistant": 2,
         "skipped_too_short": 3,
         "truncated": 1,
@@ -158,17 +160,23 @@ def test_is_too_short() -> None:
 
 def test_no_usable_records_names_file_and_counts(tok: Tokenizer, tmp_path: Path) -> None:
     path = write_records(tmp_path / "none.jsonl", [{"turns": ["q"]}, chat("a", ""), ""])
-    pattern = rf"^{re.escape(str(path))}: no usable training records \(2 read, 1 without an assistant turn, 1 shorter"
+    pattern = rf"^{re.escape(str(path))}: no usable training records \(2 read, 0 bad, 1 without an assistant turn, 1 shorter"
     with pytest.raises(DataError, match=pattern):
         load_conversations(path, tok, max_length=64, min_length=len(encode_training_record(tok, chat("a", ""))[0]) + 1)
 
 
-def test_malformed_line_names_file_and_line(tok: Tokenizer, tmp_path: Path) -> None:
-    path = write_records(tmp_path / "bad.jsonl", [chat("a", "b c d e"), "", "{broken"])
-    with pytest.raises(DataError, match=rf"^{re.escape(str(path))}:3: invalid JSON"):
-        load_conversations(path, tok, max_length=64, min_length=5)
+def test_bad_records_are_skipped_with_file_and_line(tok: Tokenizer, tmp_path: Path) -> None:
+    """A malformed line or record is skipped and reported; the good ones are kept; a file of only
+    bad records is one error naming the first."""
+    good = chat("a", "b c d e")
+    path = write_records(tmp_path / "bad.jsonl", [good, "", "{broken", [1, 2], good])
+    ds = load_conversations(path, tok, max_length=64, min_length=5)
+    assert ds.stats.kept == 2 and ds.stats.skipped_bad == 2 and ds.stats.records_read == 4
+    assert ds.errors[0].startswith(f"{path}:3: invalid JSON")
+    assert ds.errors[1] == f"{path}:4: expected a JSON object, got list"
     bad_role = write_records(tmp_path / "role.jsonl", [{"conversations": [{"role": "bot", "content": "x"}]}])
-    with pytest.raises(DataError, match=rf"^{re.escape(str(bad_role))}:1: .*unknown role 'bot'"):
+    with pytest.raises(DataError, match=rf"^{re.escape(str(bad_role))}: no usable training records \(1 read, 1 bad "
+                                        rf"\(first: {re.escape(str(bad_role))}:1: .*unknown role 'bot'"):
         load_conversations(bad_role, tok, max_length=64, min_length=5)
     missing = tmp_path / "missing.jsonl"
     with pytest.raises(DataError, match=rf"^{re.escape(str(missing))}: cannot open file"):

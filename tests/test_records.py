@@ -388,15 +388,16 @@ def test_training_record_errors(tok: Tokenizer, record: dict, pattern: str) -> N
         encode_training_record(tok, record, where="t.jsonl:2")
 
 
-def test_load_conversations_stops_at_a_bad_record(tok: Tokenizer, tmp_path: Path) -> None:
+def test_load_conversations_skips_a_bad_record_and_says_where(tok: Tokenizer, tmp_path: Path) -> None:
     good = {"conversations": chat(("user", "q"), ("assistant", "It is four."))}
     bad_order = {"conversations": chat(("assistant", "a"), ("user", "q"))}
     bad_calls = {"conversations": [{"role": "user", "content": "q"},
                                    {"role": "assistant", "content": "", "tool_calls": "[oops"}]}
     for bad, pattern in ((bad_order, "must be the user's"), (bad_calls, "'tool_calls' is a string but not valid")):
         path = write_jsonl(tmp_path / "bad.jsonl", [good, "", bad, good])
-        with pytest.raises(DataError, match=rf"^{re.escape(str(path))}:3: .*{pattern}"):
-            load_conversations(path, tok, max_length=64, min_length=2)
+        ds = load_conversations(path, tok, max_length=64, min_length=2)
+        assert ds.stats.kept == 2 and ds.stats.skipped_bad == 1
+        assert re.match(rf"^{re.escape(str(path))}:3: .*{pattern}", ds.errors[0]), ds.errors
 
 
 def test_enable_thinking_reaches_the_template_only_when_set(tmp_path: Path) -> None:

@@ -119,12 +119,15 @@ def test_short_sequences_are_skipped_and_counted(tiny_target, tmp_path):
     lines += [json.dumps({"conversations": [{"role": "user", "content": "apple " * 80},
                                             {"role": "assistant", "content": "river"}]})] * 3
     lines += [json.dumps({"conversations": [{"role": "user", "content": "no answer"}]})] * 2
+    lines += ["{not json"]
     data.write_text("\n".join(lines) + "\n")
     logs = []
     cfg = make_cfg(tiny_target, tmp_path / "r", f"train.data_file={data}", "train.max_steps=1")
     trainer.run(cfg, log=logs.append)
     stats = next(line for line in logs if line.startswith("data:"))
     assert "'skipped_no_assistant': 2" in stats and "'skipped_too_short': 3" in stats
+    assert "'skipped_bad': 1" in stats
+    assert any(line.startswith(f"skipped a bad record: {data}:{len(lines)}: invalid JSON") for line in logs)
 
 
 def cli(*args, **kwargs):

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dspark_jax.errors import ConfigError, DataError
-from dspark_jax.formats.records import read_jsonl, training_example
+from dspark_jax.formats.records import iter_jsonl, training_example
 from dspark_jax.formats.tokenizer import END_OF_TEXT, Tokenizer
 
 _ANCHOR_STREAM = 1  # last SeedSequence word of the anchor streams (see module docstring)
@@ -43,13 +43,16 @@ _STATE_KEYS = ("epoch", "position", "seed", "num_records", "lengths_sha256")
 class DatasetStats:
     """What happened to the records of a file.
 
-    ``records_read = kept + skipped_no_assistant + skipped_too_short``; ``truncated`` counts kept
+    ``records_read = kept + skipped_bad + skipped_no_assistant + skipped_too_short``; a bad record
+    (not JSON, no object, a conversation the rule refuses) is skipped, its error kept in
+    ``Dataset.errors``; ``truncated`` counts kept
     records that were cut to ``max_length``. A record is too short when it has fewer than
     ``min_length`` tokens or no anchor candidate (two adjacent supervised positions) after the cut.
     """
 
     records_read: int
     kept: int
+    skipped_bad: int
     skipped_no_assistant: int
     skipped_too_short: int
     truncated: int
@@ -74,6 +77,7 @@ class Dataset:
     max_length: int
     pad_id: int
     stats: DatasetStats
+    errors: tuple[str, ...] = ()  # why each bad record was skipped, with file and line
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -110,10 +114,20 @@ def load_conversations(path: str | Path, tokenizer: Tokenizer, *, max_length: in
     input_ids: list[np.ndarray] = []
     loss_masks: list[np.ndarray] = []
     read = no_assistant = too_short = truncated = 0
-    for line_no, record in read_jsonl(path):
+    errors: list[str] = []
+    for line_no, record in iter_jsonl(path):
         read += 1
-        example = training_example(tokenizer, record, where=f"{path}:{line_no}", enable_thinking=enable_thinking,
-                                   system_prompt=system_prompt)
+        where = f"{path}:{line_no}"
+        try:
+            if isinstance(record, DataError):
+                raise record
+            if not isinstance(record, dict):
+                raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            example = training_example(tokenizer, record, where=where, enable_thinking=enable_thinking,
+                                       system_prompt=system_prompt)
+        except DataError as err:
+            errors.append(str(err))
+            continue
         if example is None:
             no_assistant += 1
             continue
@@ -128,13 +142,15 @@ def load_conversations(path: str | Path, tokenizer: Tokenizer, *, max_length: in
     stats = DatasetStats(
         records_read=read,
         kept=len(input_ids),
+        skipped_bad=len(errors),
         skipped_no_assistant=no_assistant,
         skipped_too_short=too_short,
         truncated=truncated,
     )
     if not input_ids:
         raise DataError(
-            f"{path}: no usable training records ({read} read, {no_assistant} without an assistant turn, "
+            f"{path}: no usable training records ({read} read, {len(errors)} bad"
+            + (f" (first: {errors[0]})" if errors else "") + f", {no_assistant} without an assistant turn, "
             f"{too_short} shorter than {min_length} tokens or with fewer than 2 adjacent supervised "
             f"tokens after cutting to {max_length})"
         )
@@ -146,6 +162,7 @@ def load_conversations(path: str | Path, tokenizer: Tokenizer, *, max_length: in
         max_length=max_length,
         pad_id=0 if pad_id is None else int(pad_id),
         stats=stats,
+        errors=tuple(errors),
     )
 
 

@@ -55,6 +55,7 @@ class Setup:
     total_steps: int
     optimizer: Any
     data_stats: dict
+    data_errors: tuple[str, ...]  # why each skipped bad record was skipped
 
 
 def load_target_for(cfg: Config, mesh):
@@ -97,7 +98,7 @@ def setup(cfg: Config) -> Setup:
     total = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * iterator.steps_per_epoch))
     return Setup(cfg=cfg, mesh=mesh, target_params=target_params, iterator=iterator,
                  total_steps=total, optimizer=make_optimizer(cfg, total),
-                 data_stats=dataset.stats.as_dict())
+                 data_stats=dataset.stats.as_dict(), data_errors=dataset.errors)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -200,6 +201,10 @@ def run(cfg: Config, *, log: Callable[[str], None] = lambda s: None,
     cfg = s.cfg
     log(f"{describe_mesh(s.mesh)}; jax {jax.__version__}; {jax.process_count()} processes")
     log(f"data: {s.data_stats}; {s.iterator.steps_per_epoch} steps/epoch; {s.total_steps} steps")
+    for error in s.data_errors[:5]:
+        log(f"skipped a bad record: {error}")
+    if len(s.data_errors) > 5:
+        log(f"... and {len(s.data_errors) - 5} more bad records")
     state = init_state(cfg, s.optimizer, jax.random.key(cfg.train.seed), s.mesh)
     log(f"drafter: {count_params(state.params) / 1e6:.2f}M params; target: "
         f"{count_params(s.target_params) / 1e6:.2f}M params (frozen)")
