@@ -115,23 +115,26 @@ def scheduler_config(args):
 
 
 def read_requests(path: Path, tokenizer, check, *, max_new_tokens: int, temperature: float = 0.0,
-                  top_p: float = 1.0, top_k: int = 0):
+                  top_p: float = 1.0, top_k: int = 0, enable_thinking: bool = False):
     """(requests, prompt texts by id, errors) at these settings for every record (a record's own
     sampling keys are not read): `read_prompt_file` without per-record settings."""
     from dspark_jax.formats.generation_config import SamplingSettings
 
     settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k,
                                 max_new_tokens=max_new_tokens)
-    requests, prompts, errors = read_prompt_file(path, tokenizer, check, settings, per_record=False)
+    requests, prompts, errors = read_prompt_file(path, tokenizer, check, settings, per_record=False,
+                                                 enable_thinking=enable_thinking)
     return requests, {rid: text for rid, (text, _) in prompts.items()}, errors
 
 
-def read_prompt_file(path: Path, tokenizer, check, defaults, *, per_record: bool = True):
+def read_prompt_file(path: Path, tokenizer, check, defaults, *, per_record: bool = True,
+                     enable_thinking: bool = False):
     """(requests, {id: (prompt text, SamplingSettings)}, errors): every line is handled on its own;
     a bad one is reported on stderr with its file and line and skipped. `defaults`: the
     SamplingSettings of a record that names none of its own (with `per_record`, a record's
     temperature, top_p, top_k, max_new_tokens, stop and seed override them). `check(request)`
-    raises for a request the engine cannot serve. Stop ids: the tokenizer's."""
+    raises for a request the engine cannot serve. Stop ids: the tokenizer's. `enable_thinking` goes
+    to the chat template (off by default, as DeepSpec's evaluator)."""
     from dspark_jax.decoding.engine import Request
     from dspark_jax.formats.records import encode_prompt_record, iter_jsonl
 
@@ -142,7 +145,8 @@ def read_prompt_file(path: Path, tokenizer, check, defaults, *, per_record: bool
         try:
             if isinstance(obj, DSparkError):
                 raise obj
-            rec = encode_prompt_record(tokenizer, obj, where=where, index=len(requests) + len(errors))
+            rec = encode_prompt_record(tokenizer, obj, where=where, index=len(requests) + len(errors),
+                                       enable_thinking=enable_thinking)
             if rec.id in prompts:
                 raise DSparkError(f"{where}: duplicate id {rec.id!r}")
             settings = defaults.with_record(obj, where) if per_record else defaults

@@ -4,7 +4,7 @@
         [--temperature T] [--top-p P] [--top-k K] [--max-new-tokens N] [--stop STR ...]
         [--logprobs N] [--slots R] [--max-len S] [--scheduler async|greedy|fixed|threshold]
         [--verify-len L] [--threshold t] [--bucket-fill] [--sts FILE|none] [--sps FILE] [--seed S]
-        [--recompile-guard]
+        [--enable-thinking] [--recompile-guard]
 
 Prompt records (JSONL): {"prompt": "..."} (raw text, verbatim), {"turns": [...]} and
 {"conversations": [...]} (chat template), with an optional "id". A record may carry its own
@@ -68,6 +68,9 @@ def parse_args(argv):
     ap.add_argument("--top-k", type=int, default=None,
                     help="0 = off (default: generation_config.json's, else 0)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--enable-thinking", action="store_true",
+                    help="render chat prompts with thinking on (default off, as DeepSpec's evaluator: "
+                         "Qwen3's generation prompt then ends with an empty think block)")
     ap.add_argument("--stop", action="append", default=[], metavar="STR",
                     help="stop string (repeatable); the output ends before it")
     ap.add_argument("--logprobs", type=int, default=None, metavar="N",
@@ -134,7 +137,8 @@ def main(argv=None) -> int:
                         mesh=mesh, sts=sts, sps=args.sps or None,
                         logprobs=0 if args.logprobs is None else max(args.logprobs, 1))
         requests, prompts, errors = cli.read_prompt_file(Path(args.prompts), tokenizer,
-                                                         engine.check_request, defaults)
+                                                         engine.check_request, defaults,
+                                                         enable_thinking=args.enable_thinking)
         if not requests:
             print(f"error: {args.prompts}: no record could be decoded ({len(errors)} bad)",
                   file=sys.stderr)

@@ -208,3 +208,19 @@ def test_golden_gemma4_template_matches_transformers(enable_thinking: bool) -> N
     for record, messages in (({"turns": ["Hello there"]}, history[1:]), ({"conversations": history}, history)):
         rec = encode_prompt_record(ours, record, enable_thinking=enable_thinking)
         assert list(rec.token_ids) == hf_ids(oracle, messages, enable_thinking=enable_thinking)
+
+
+def test_serve_prompt_files_switch_thinking(ours: Tokenizer, tmp_path: Path) -> None:
+    """serve.decode's reading of a prompt file: thinking off by default (the generation prompt ends
+    with the empty think block, as DeepSpec's evaluator renders it), on with --enable-thinking."""
+    from dspark_jax.formats.records import encode_chat_prompt
+    from serve import cli
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"id": "q", "turns": ["What is 2 + 2?"]}) + "\n")
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    for thinking in (False, True):
+        reqs, texts, errors = cli.read_requests(path, ours, lambda r: None, max_new_tokens=4,
+                                                enable_thinking=thinking)
+        assert not errors and texts["q"].endswith("<think>\n\n</think>\n\n") is not thinking
+        assert list(reqs[0].prompt_ids) == encode_chat_prompt(ours, messages, enable_thinking=thinking)
