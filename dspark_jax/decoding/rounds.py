@@ -281,8 +281,11 @@ def topk_round(shape: EngineShape, bucket: int, state: EngineState, tparams, dpa
     state = flush_pending(shape, state, dparams)
     draft = propose_stage(shape, state, tparams, dparams)
     s = state.slots
-    order, a_sorted = candidate_order(draft.survival, room(shape, s))
-    ell = admit_first(order, a_sorted, bucket - jnp.sum(s.active), shape.slots)
+    if bucket >= shape.slots * shape.width:  # every candidate fits: ℓ = room, nothing to rank
+        ell = room(shape, s)
+    else:
+        order, a_sorted = candidate_order(draft.survival, room(shape, s))
+        ell = admit_first(order, a_sorted, bucket - jnp.sum(s.active), shape.slots)
     return verify_and_commit(shape, bucket, state, tparams, dparams, draft, ell)
 
 
