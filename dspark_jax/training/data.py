@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dspark_jax.errors import ConfigError, DataError
-from dspark_jax.formats.records import iter_jsonl, training_example
+from dspark_jax.formats.records import TrainingExample, iter_jsonl, training_example
 from dspark_jax.formats.tokenizer import END_OF_TEXT, Tokenizer
 
 _ANCHOR_STREAM = 1  # last SeedSequence word of the anchor streams (see module docstring)
@@ -96,6 +96,25 @@ def is_too_short(loss_mask: np.ndarray, min_length: int) -> bool:
     return len(loss_mask) < min_length or not bool((loss_mask[:-1] & loss_mask[1:]).any())
 
 
+def training_examples(path: str | Path, tokenizer: Tokenizer, *, enable_thinking: bool | None = None,
+                      system_prompt: str | None = None
+                      ) -> Iterator[tuple[str, Any, TrainingExample | DataError | None]]:
+    """(file:line, the parsed line, its `training_example` or the DataError that refused it) per
+    non-blank line of a JSONL file."""
+    for line_no, obj in iter_jsonl(path):
+        where = f"{path}:{line_no}"
+        try:
+            if isinstance(obj, DataError):
+                raise obj
+            if not isinstance(obj, dict):
+                raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            example = training_example(tokenizer, obj, where=where, enable_thinking=enable_thinking,
+                                       system_prompt=system_prompt)
+        except DataError as err:
+            example = err
+        yield where, obj, example
+
+
 def load_conversations(path: str | Path, tokenizer: Tokenizer, *, max_length: int, min_length: int,
                        enable_thinking: bool | None = None, system_prompt: str | None = None
                        ) -> Dataset:
@@ -115,18 +134,11 @@ def load_conversations(path: str | Path, tokenizer: Tokenizer, *, max_length: in
     loss_masks: list[np.ndarray] = []
     read = no_assistant = too_short = truncated = 0
     errors: list[str] = []
-    for line_no, record in iter_jsonl(path):
+    for _, _, example in training_examples(path, tokenizer, enable_thinking=enable_thinking,
+                                           system_prompt=system_prompt):
         read += 1
-        where = f"{path}:{line_no}"
-        try:
-            if isinstance(record, DataError):
-                raise record
-            if not isinstance(record, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            example = training_example(tokenizer, record, where=where, enable_thinking=enable_thinking,
-                                       system_prompt=system_prompt)
-        except DataError as err:
-            errors.append(str(err))
+        if isinstance(example, DataError):
+            errors.append(str(example))
             continue
         if example is None:
             no_assistant += 1

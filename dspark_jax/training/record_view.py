@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from dspark_jax.errors import DataError
-from dspark_jax.formats.records import TrainingExample, iter_jsonl, training_example
+from dspark_jax.formats.records import TrainingExample
 from dspark_jax.formats.tokenizer import Tokenizer
-from dspark_jax.training.data import is_too_short
+from dspark_jax.training.data import is_too_short, training_examples
 
 SKIP_NO_ASSISTANT = "no assistant turn"
 _ANSI_SUPERVISED, _ANSI_DIM, _ANSI_RESET = "\x1b[1;32m", "\x1b[2m", "\x1b[0m"
@@ -56,20 +56,14 @@ def view_records(
     enable_thinking: bool | None = None, system_prompt: str | None = None, limit: int = 0,
 ) -> Iterator[RecordView]:
     """A :class:`RecordView` per non-blank line of ``path`` (the first ``limit`` when > 0)."""
-    for index, (line_no, obj) in enumerate(iter_jsonl(path)):
+    examples = training_examples(path, tokenizer, enable_thinking=enable_thinking,
+                                 system_prompt=system_prompt)
+    for index, (where, obj, example) in enumerate(examples):
         if limit and index >= limit:
             return
-        where = f"{path}:{line_no}"
         record_id = str(obj["id"]) if isinstance(obj, dict) and "id" in obj else str(index)
-        try:
-            if isinstance(obj, DataError):
-                raise obj
-            if not isinstance(obj, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            example = training_example(tokenizer, obj, where=where, enable_thinking=enable_thinking,
-                                       system_prompt=system_prompt)
-        except DataError as err:
-            yield RecordView(where, record_id, None, None, None, str(err))
+        if isinstance(example, DataError):
+            yield RecordView(where, record_id, None, None, None, str(example))
             continue
         if example is None:
             yield RecordView(where, record_id, None, None, None, SKIP_NO_ASSISTANT)
