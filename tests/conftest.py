@@ -69,7 +69,7 @@ def tiny_target(tmp_path_factory):
     import json
 
     from dspark_jax.config import load_config, preset_path
-    from dspark_jax.training.data import write_synthetic_conversations
+    from dspark_jax.training.synthetic import write_synthetic_conversations
 
     root = tmp_path_factory.mktemp("tiny_target")
     data = write_synthetic_conversations(root / "train.jsonl", 96, seed=0)

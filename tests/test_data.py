@@ -21,8 +21,8 @@ from dspark_jax.training.data import (
     load_conversations,
     make_global_batch,
     sample_anchors,
-    write_synthetic_conversations,
 )
+from dspark_jax.training.synthetic import write_synthetic_conversations
 
 BLOCK = 4
 

@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     from dspark_jax.config import load_config, preset_path
     from dspark_jax.formats import deepspec
     from dspark_jax.training import trainer
-    from dspark_jax.training.data import write_synthetic_conversations
+    from dspark_jax.training.synthetic import write_synthetic_conversations
     from dspark_jax.training.pretrain import make_tiny_target
 
     out = Path(args.out)
