@@ -500,28 +500,25 @@ def test_output_paths_checked_before_loading(tmp_path, case):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sub"]
 
 
-def test_empty_prompt_file_stops_before_loading(pair, tmp_path):
-    path = tmp_path / "empty.jsonl"
-    path.write_text("\n  \n")
-    out = tmp_path / "out.jsonl"
-    proc = decode_cli(*plain_args(pair, path, out), timeout=120)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert proc.stderr.splitlines() == [
-        f"error: {path}: no prompt records (the file is empty); nothing to decode"]
-    assert proc.stdout == "" and not out.exists() and not Path(f"{out}.partial").exists()
-
-
-def test_only_bad_records_stop_before_compiling(pair, tmp_path):
-    path = tmp_path / "bad.jsonl"
-    path.write_text('{"prompt": ""}\n{"prompt": "x", "top_k": -2}\n')
+@pytest.mark.parametrize("content, errors", [
+    ("\n  \n", ["{path}: no prompt records (the file is empty); nothing to decode"]),  # stderr whole
+    ('{"prompt": ""}\n{"prompt": "x", "top_k": -2}\n',
+     ["{path}:1: 'prompt' is empty", "{path}:2: 'top_k' must be an integer >= 0 (0 = off), got -2",
+      "{path}: no record could be decoded (2 bad)"]),
+], ids=["empty file", "only bad records"])
+def test_nothing_to_decode_stops_before_compiling(pair, tmp_path, content, errors):
+    """An empty prompt file, or one whose every record is bad: exit 1 with one line per problem,
+    before anything compiles, and no output file."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(content)
     out = tmp_path / "out.jsonl"
     proc = decode_cli(*plain_args(pair, path, out), timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert proc.stderr.splitlines()[-3:] == [
-        f"error: {path}:1: 'prompt' is empty",
-        f"error: {path}:2: 'top_k' must be an integer >= 0 (0 = off), got -2",
-        f"error: {path}: no record could be decoded (2 bad)"], proc.stderr
-    assert "compiling" not in proc.stderr and not out.exists()
+    want = [f"error: {line.format(path=path)}" for line in errors]
+    lines = proc.stderr.splitlines()
+    assert (lines if content.strip() == "" else lines[-len(want):]) == want, proc.stderr
+    assert "compiling" not in proc.stderr and proc.stdout == ""
+    assert not out.exists() and not Path(f"{out}.partial").exists()
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)],
