@@ -310,3 +310,62 @@ def test_async_estimates_absorbed_lazily_equal_one_round_at_a_time():
     for name in ("estimates", "predicted", "observed", "prior"):
         np.testing.assert_allclose(getattr(lazy, name), getattr(eager, name), rtol=1e-12, err_msg=name)
     np.testing.assert_allclose(lazy.correction(), eager.correction(), rtol=1e-12)
+
+
+def _cadence_engine(spec_seconds: float, rounds: list):
+    """The part of an engine the async policy touches: compiled buckets, a profile, and
+    `run_round`/`flush` that only record what was dispatched."""
+    from types import SimpleNamespace
+
+    spec_buckets, plain_buckets = [2, 4, 5], [1]
+    profile = SimpleNamespace(spec={F: spec_seconds for F in spec_buckets}, plain={1: 1.0})
+    return SimpleNamespace(R=1, gamma=4, spec_buckets=spec_buckets, plain_buckets=plain_buckets,
+                           profile=profile, run_round=lambda key: rounds.append(key),
+                           flush=lambda: rounds.append(("flush",)))
+
+
+def test_async_probes_are_single_rounds_that_grow_apart_while_plain_wins():
+    """Proposals priced out: after PROBE_EVERY plain rounds one round with a proposal, and after
+    each probe that changes nothing the wait doubles, up to PROBE_MAX; a held-back-feature flush
+    at least every PENDING plain rounds."""
+    from dspark_jax.decoding import policies
+    from dspark_jax.decoding.state import PENDING
+
+    rounds = []
+    policy = policies.AsyncPolicy(_cadence_engine(100.0, rounds))
+    for _ in range(6000):
+        policy.dispatch([0], lambda: [4])
+    kinds = [k[0] for k in rounds if k[0] != "flush"]
+    spec_at = np.flatnonzero(np.array(kinds) == "topk")
+    gaps = np.diff(np.r_[-1, spec_at]) - 1  # plain rounds before each probe
+    assert list(gaps) == [min(policies.PROBE_EVERY * 2 ** i, policies.PROBE_MAX)
+                          for i in range(len(gaps))]
+    # Between proposals, a flush before every PENDING + 1-th plain round in a row.
+    since = 0
+    for key in rounds:
+        if key[0] == "flush":
+            assert since == PENDING
+            since = 0
+        elif key[0] == "plain":
+            since += 1
+            assert since <= PENDING
+        else:
+            since = 0
+
+
+def test_async_decision_stands_longer_while_it_repeats():
+    """Proposals pay: every round proposes in the largest bucket, and the search runs ever more
+    rarely (REDECIDE_EVERY doubling to REDECIDE_MAX) while its answer repeats."""
+    from dspark_jax.decoding import policies
+
+    rounds, searches = [], []
+    policy = policies.AsyncPolicy(_cadence_engine(1.0, rounds))
+    choose = policy.choose
+    policy.choose = lambda live, rooms: searches.append(1) or choose(live, rooms)
+    for _ in range(400):
+        policy.dispatch([0], lambda: [4])
+    assert set(rounds) == {("topk", 5)}
+    expected, total, hold = 0, 0, policies.REDECIDE_EVERY  # 4, 8, 16, 32, 32, ... rounds
+    while total < 400:
+        total, expected, hold = total + hold, expected + 1, min(2 * hold, policies.REDECIDE_MAX)
+    assert len(searches) == expected

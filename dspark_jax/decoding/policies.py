@@ -14,12 +14,16 @@ import numpy as np
 from dspark_jax.decoding.schedulers import BucketTable
 from dspark_jax.decoding.state import PENDING
 
-# async: a round with a proposal at least this often, so that survival estimates stay current even
-# when plain rounds win (a bounded cost: one round in PROBE_EVERY).
+# async: while plain rounds win, one round with a proposal (a probe) after PROBE_EVERY plain ones,
+# so that the survival estimates stay current; each probe that changes nothing doubles the wait,
+# up to PROBE_MAX (a bounded cost that vanishes on a steady load: one round in PROBE_MAX).
 PROBE_EVERY = 64
-# async: a decision stands for this many rounds unless a request joins or leaves (the survival
-# estimates move slowly; searching every round costs the host more than it gains on small rounds).
+PROBE_MAX = 1024
+# async: a decision stands for REDECIDE_EVERY rounds unless the number of live requests changes
+# (the survival estimates move slowly; searching every round costs the host more than it gains on
+# small rounds); each search that repeats the decision doubles that, up to REDECIDE_MAX.
 REDECIDE_EVERY = 4
+REDECIDE_MAX = 32
 
 
 def bucket_for(n: int, buckets: list[int]) -> int:
@@ -106,6 +110,9 @@ class AsyncPolicy(Policy):
         self.plain_run = 0  # rounds without a proposal since the held-back features were projected
         self.last = None  # (kind, bucket, live count) of the last decision
         self.age = 0  # rounds it has been used for
+        self.hold = REDECIDE_EVERY  # rounds the current decision stands
+        self.probe_every = PROBE_EVERY  # plain rounds before the next probe
+        self.probing = False  # the last decision was a probe: it stands one round
         self.table = None  # (profile, BucketTable of the compiled buckets)
         self.pending = []  # round outputs read since the last decision
 
@@ -123,9 +130,9 @@ class AsyncPolicy(Policy):
             e.flush()
             self.plain_run = 0
         n = len(live)
-        if self.last is None or self.last[2] != n or self.age >= REDECIDE_EVERY or \
-                self.since_spec >= PROBE_EVERY:
-            self.last, self.age = (*self.choose(live, rooms()), n), 0
+        if self.last is None or self.last[2] != n or self.age >= self.hold or self.probing or \
+                self.since_spec >= self.probe_every:
+            self._decide(live, rooms)
         self.age += 1
         kind, F, _ = self.last
         if kind == "plain":
@@ -134,6 +141,18 @@ class AsyncPolicy(Policy):
             return e.run_round(("plain", F)), "plain", F
         self.since_spec = self.plain_run = 0
         return e.run_round(("topk", F)), "spec", F
+
+    def _decide(self, live, rooms) -> None:
+        probe = self.since_spec >= self.probe_every
+        kind, F = self.choose(live, rooms())
+        decision = (kind, F, len(live))
+        if self.probing:  # the round after a probe: did it change the decision?
+            self.probe_every = min(2 * self.probe_every, PROBE_MAX) if kind == "plain" else PROBE_EVERY
+        elif kind == "spec" and not probe and self.last is not None and self.last[0] == "plain":
+            self.probe_every = PROBE_EVERY  # the load or the drafts changed: probe often again
+        self.hold = min(2 * self.hold, REDECIDE_MAX) if decision == self.last else REDECIDE_EVERY
+        self.probing = probe and kind == "spec"
+        self.last, self.age = decision, 0
 
     def choose(self, live, rooms) -> tuple[str, int]:
         e = self.engine
@@ -145,13 +164,13 @@ class AsyncPolicy(Policy):
         est = np.minimum.accumulate(np.minimum(est, 1.0), axis=1)  # survival never rises along j
         est[np.arange(est.shape[1]) >= np.asarray(rooms)[:, None]] = 0.0
         # A proposal at least every PROBE_EVERY rounds, so that the estimates stay current.
-        kind, F = self.table[1].choose(est, len(live), plain=self.since_spec < PROBE_EVERY)
-        return kind, F
+        return self.table[1].choose(est, len(live), plain=self.since_spec < self.probe_every)
 
     def admitted(self, slot):
         self._absorb()  # rounds read so far may still describe the slot's previous request
         self.estimates[slot] = self.prior
-        self.last = None  # a new request: decide again
+        # The decision stands: a joiner that keeps the live count only refreshes one slot's
+        # estimate at the prior (a changed count is a new decision anyway).
 
     def observe(self, out, live):
         # Kept until the next decision: the estimates are read only then, and absorbing a few

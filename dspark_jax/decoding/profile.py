@@ -109,10 +109,10 @@ def measure(engine, trials: int = 5, min_seconds: float = 0.06, context: int | N
             ) -> SpsProfile:
     """Times the engine's spec round (propose, fill, verify, commit) for every verification bucket
     and its plain round for every anchor bucket, on all slots filled with `context` cached
-    positions. Per trial: fill the slots, two untimed rounds, then rounds dispatched as the
-    engine's loop does (one in flight, each read back and unpacked on the host while the next
-    runs) until `min_seconds` have passed or the context is full; the median over trials of the
-    mean round time. Leaves the engine's slots empty."""
+    positions. A trial times every program once, in turn: fill the slots, two untimed rounds,
+    then rounds dispatched as the engine's loop does (one in flight, each read back and unpacked
+    on the host while the next runs) until `min_seconds` have passed or the context is full; the
+    median over trials of the mean round time. Leaves the engine's slots empty."""
 
     context = default_context(engine) if context is None else context
     most = (engine.S - 1 - context) // engine.W - 2  # timed rounds that fit after the untimed two
@@ -122,29 +122,31 @@ def measure(engine, trials: int = 5, min_seconds: float = 0.06, context: int | N
     rng = np.random.default_rng(0)
     fillers = [(slot, Request(id=f"profile-{slot}", max_new_tokens=10 ** 9, prompt_ids=tuple(
         rng.integers(0, engine.tcfg.vocab_size, context).tolist()))) for slot in range(engine.R)]
-    seconds: dict[str, dict[int, float]] = {"spec": {}, "plain": {}}
+    programs = [(kind, program, F) for kind, program, buckets in (
+        ("spec", "topk", engine.spec_buckets), ("plain", "plain", engine.plain_buckets))
+        for F in buckets]
+    means: dict[tuple, list[float]] = {p: [] for p in programs}
     rounds_timed = []
-    for kind, program, buckets in (("spec", "topk", engine.spec_buckets),
-                                   ("plain", "plain", engine.plain_buckets)):
-        for F in buckets:
-            means = []
-            for _ in range(trials):
-                engine.reset()
-                for chunk in engine.prefill_chunks(fillers):
-                    engine.prefill(chunk)
-                for _ in range(2):
-                    engine.run_round((program, F))
-                jax.block_until_ready(engine.state)
-                t0, n, previous = time.perf_counter(), 0, None
-                while n < most and (n < 3 or time.perf_counter() - t0 < min_seconds):
-                    out = engine.run_round((program, F))
-                    if previous is not None:  # the host's part of a round, as the engine's loop
-                        _read(previous)
-                    previous, n = out, n + 1
-                _read(previous)
-                means.append((time.perf_counter() - t0) / n)
-                rounds_timed.append(n)
-            seconds[kind][F] = float(np.median(means))
+    for _ in range(trials):  # every bucket once per trial: the machine's drift hits them alike
+        for kind, program, F in programs:
+            engine.reset()
+            for chunk in engine.prefill_chunks(fillers):
+                engine.prefill(chunk)
+            for _ in range(2):
+                engine.run_round((program, F))
+            jax.block_until_ready(engine.state)
+            t0, n, previous = time.perf_counter(), 0, None
+            while n < most and (n < 3 or time.perf_counter() - t0 < min_seconds):
+                out = engine.run_round((program, F))
+                if previous is not None:  # the host's part of a round, as the engine's loop
+                    _read(previous)
+                previous, n = out, n + 1
+            _read(previous)
+            means[kind, program, F].append((time.perf_counter() - t0) / n)
+            rounds_timed.append(n)
+    seconds: dict[str, dict[int, float]] = {"spec": {}, "plain": {}}
+    for (kind, _, F), m in means.items():
+        seconds[kind][F] = float(np.median(m))
     host = loop_overhead(engine, fillers, seconds["plain"][engine.plain_buckets[-1]], trials)
     engine.reset()
     return SpsProfile(measured_on=engine_key(engine, context), spec=seconds["spec"],
