@@ -179,7 +179,8 @@ def test_rounds_without_a_proposal_still_build_the_drafters_context(engine_pair)
 
     tcfg, tparams, dcfg, dparams, _, tok = engine_pair
     req = [Request(id="p", prompt_ids=tuple(tok.encode("Count from 3 to 17.")), max_new_tokens=40)]
-    lazy = Engine(tcfg, tparams, dcfg, dparams, slots=1, scheduler=SchedulerConfig("async"), **SMALL)
+    lazy = Engine(tcfg, tparams, dcfg, dparams, slots=1, scheduler=SchedulerConfig("async"),
+                  pending_context=16, **SMALL)
     # Proposals priced out: every round but the periodic probe is a round without one.
     lazy.use_profile(profile.SpsProfile(measured_on=profile.engine_key(lazy),
                                         spec={F: 100.0 for F in lazy.spec_buckets},

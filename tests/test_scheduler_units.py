@@ -319,7 +319,8 @@ def _cadence_engine(spec_seconds: float, rounds: list):
 
     spec_buckets, plain_buckets = [2, 4, 5], [1]
     profile = SimpleNamespace(spec={F: spec_seconds for F in spec_buckets}, plain={1: 1.0})
-    return SimpleNamespace(R=1, gamma=4, spec_buckets=spec_buckets, plain_buckets=plain_buckets,
+    return SimpleNamespace(R=1, gamma=4, shape=SimpleNamespace(pending=16),
+                           spec_buckets=spec_buckets, plain_buckets=plain_buckets,
                            profile=profile, run_round=lambda key: rounds.append(key),
                            flush=lambda: rounds.append(("flush",)))
 
@@ -327,12 +328,12 @@ def _cadence_engine(spec_seconds: float, rounds: list):
 def test_async_probes_are_single_rounds_that_grow_apart_while_plain_wins():
     """Proposals priced out: after PROBE_EVERY plain rounds one round with a proposal, and after
     each probe that changes nothing the wait doubles, up to PROBE_MAX; a held-back-feature flush
-    at least every PENDING plain rounds."""
+    at least every `pending` plain rounds."""
     from dspark_jax.decoding import policies
-    from dspark_jax.decoding.state import PENDING
 
     rounds = []
-    policy = policies.AsyncPolicy(_cadence_engine(100.0, rounds))
+    engine = _cadence_engine(100.0, rounds)
+    policy, PENDING = policies.AsyncPolicy(engine), engine.shape.pending
     for _ in range(6000):
         policy.dispatch([0], lambda: [4])
     kinds = [k[0] for k in rounds if k[0] != "flush"]

@@ -35,6 +35,7 @@ from dspark_jax.decoding.schedulers import SchedulerConfig
 from dspark_jax.decoding.state import (
     FINISH_REASONS,
     RUNNING,
+    PENDING,
     EngineShape,
     RoundOutput,
     init_state,
@@ -67,7 +68,10 @@ class Engine:
     `scheduler` picks the round policy (`policies.py`). The load-aware ones (greedy, async) need an
     SPS profile: `sps` (a profile or a path), else a cached start-up profile for this model, slot
     count, context and device, else one measured at warm-up and cached. `sts`: the calibration
-    temperatures of the confidence head, one per block position.
+    temperatures of the confidence head, one per block position. `pending_context`: how many
+    rounds without a proposal a slot may hold its committed tokens' features back from the
+    drafter's context before a flush projects them (PendingContext; a bigger buffer flushes less
+    often, at R x pending x m·d target-dtype values).
     """
 
     def __init__(self, tcfg: TargetConfig, target_params, dcfg: DrafterConfig | None = None,
@@ -77,7 +81,7 @@ class Engine:
                  acceptance: Callable = accept, mesh: Mesh | None = None,
                  sts: tuple[float, ...] | None = None,
                  sps: sps_profile.SpsProfile | str | os.PathLike | None = None,
-                 cache_profile: bool = True, logprobs: int = 0):
+                 cache_profile: bool = True, logprobs: int = 0, pending_context: int = PENDING):
         if (dcfg is None) != (drafter_params is None):
             raise ValueError("give both the drafter config and its params, or neither")
         if not 0 <= logprobs <= tcfg.vocab_size:
@@ -87,13 +91,15 @@ class Engine:
                               f"{tcfg.max_position_embeddings}")
         if max_len < 2:
             raise DSparkError(f"max_len {max_len}: need at least 2 positions")
+        if pending_context < 1:
+            raise DSparkError(f"pending_context {pending_context}: must be >= 1")
         if sts is not None and (dcfg is None or len(sts) != dcfg.block_size):
             raise DSparkError(f"{len(sts)} calibration temperatures for a drafter with block size "
                               f"{dcfg.block_size if dcfg else 0}")
         self.shape = EngineShape(tcfg=tcfg, dcfg=dcfg, slots=slots, max_len=max_len,
                                  max_stop_ids=max_stop_ids, scheduler=scheduler,
                                  sts=None if sts is None else tuple(float(t) for t in sts),
-                                 acceptance=acceptance, logprobs=logprobs)
+                                 acceptance=acceptance, logprobs=logprobs, pending=pending_context)
         self.tcfg, self.tparams, self.dcfg, self.dparams = tcfg, target_params, dcfg, drafter_params
         self.R, self.S, self.scheduler, self.NS = slots, max_len, scheduler, max_stop_ids
         self.gamma, self.W, self.max_verify = self.shape.gamma, self.shape.width, self.shape.max_verify

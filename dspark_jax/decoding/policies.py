@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 
 from dspark_jax.decoding.schedulers import BucketTable
-from dspark_jax.decoding.state import PENDING
 
 # async: while plain rounds win, one round with a proposal (a probe) after PROBE_EVERY plain ones,
 # so that the survival estimates stay current; each probe that changes nothing doubles the wait,
@@ -126,7 +125,7 @@ class AsyncPolicy(Policy):
 
     def dispatch(self, live, rooms):
         e = self.engine
-        if self.plain_run >= PENDING:  # the held-back features would overflow their buffer
+        if self.plain_run >= e.shape.pending:  # the held-back features would overflow their buffer
             e.flush()
             self.plain_run = 0
         n = len(live)

@@ -24,7 +24,7 @@ from dspark_jax.models.target import KVCache, param_dtype
 from dspark_jax.sharding import logical_to_spec
 
 RUNNING, STOP, LENGTH, CONTEXT = 0, 1, 2, 3
-PENDING = 16  # committed positions a slot may hold back from the drafter's context (see below)
+PENDING = 64  # committed positions a slot may hold back from the drafter's context (see below)
 FINISH_REASONS = {STOP: "stop", LENGTH: "length", CONTEXT: "context"}
 NO_STOP = -1  # padding of the stop-id table
 
@@ -42,6 +42,7 @@ class EngineShape:
     sts: tuple[float, ...] | None = None  # calibration temperatures per block position
     acceptance: Callable = accept  # the rule; replaceable only to test that tests can fail
     logprobs: int = 0  # N > 0: every committed token's target logprob and the top N; 0 = off
+    pending: int = PENDING  # rounds without a proposal a slot's PendingContext holds
 
     @property
     def gamma(self) -> int:
@@ -81,7 +82,7 @@ class PendingContext:
     projects them all at once (or `flush_round`, which the host dispatches before a buffer can
     overflow), so that a plain round costs what plain decoding costs."""
 
-    taps: jax.Array  # [R, PENDING, m*d] target dtype
+    taps: jax.Array  # [R, pending, m*d] target dtype
     count: jax.Array  # [R] int32: they hold positions length - count .. length - 1
 
 
@@ -150,7 +151,7 @@ def init_state(shape: EngineShape, seed: int, mesh: Mesh | None = None) -> Engin
         tcfg = shape.tcfg
         draft = DraftCache.create(tcfg, shape.dcfg, R, shape.max_len)
         pending = PendingContext(
-            taps=np.zeros((R, PENDING, tcfg.num_taps * tcfg.hidden_size), param_dtype(tcfg)),
+            taps=np.zeros((R, shape.pending, tcfg.num_taps * tcfg.hidden_size), param_dtype(tcfg)),
             count=np.zeros(R, np.int32))
     state = EngineState(slots=slots, target_cache=KVCache.create(shape.tcfg, R, shape.max_len),
                         draft_cache=draft, pending=pending, key=jax.random.key(seed))

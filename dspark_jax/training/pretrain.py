@@ -4,7 +4,7 @@ Used by the tests and the benchmarks; real targets come from Hugging Face checkp
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -15,14 +15,30 @@ from dspark_jax.models.target import forward
 
 
 def fit_target(params, cfg: TargetConfig, batches: Iterator[dict], steps: int,
-               learning_rate: float = 3e-3) -> tuple[dict, list[float]]:
-    """Adam on next-token cross-entropy over every non-padding token; returns (params, losses).
+               learning_rate: float = 3e-3, *, warmup_steps: int = 0, cosine: bool = False,
+               weight_decay: float = 0.0, clip_norm: float | None = None,
+               on_step: Callable[[int, float], None] | None = None
+               ) -> tuple[dict, list[float]]:
+    """AdamW on next-token cross-entropy over every non-padding token; returns (params, losses).
 
     `batches` yields {"input_ids": [B, L], "loss_mask": [B, L]} (the data pipeline's batches); the
     loss covers positions whose next token is inside the sequence's supervised span or prompt, i.e.
-    all tokens up to the last supervised one.
+    all tokens up to the last supervised one. The learning rate warms up linearly over
+    `warmup_steps` and, with `cosine`, decays to a tenth by the last step (constant otherwise);
+    `clip_norm` clips the gradient's global norm.
+    `on_step(step, loss)` is called every step (reading the loss waits for that step).
     """
-    opt = optax.adam(learning_rate)
+    if cosine:
+        schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(warmup_steps, 1),
+                                                      max(steps, warmup_steps + 1),
+                                                      end_value=learning_rate / 10)
+    else:
+        schedule = optax.join_schedules([optax.linear_schedule(0.0, learning_rate, warmup_steps),
+                                         optax.constant_schedule(learning_rate)], [warmup_steps]) \
+            if warmup_steps else learning_rate
+    opt = optax.adamw(schedule, weight_decay=weight_decay) if weight_decay else optax.adam(schedule)
+    if clip_norm is not None:
+        opt = optax.chain(optax.clip_by_global_norm(clip_norm), opt)
 
     def loss_fn(p, ids, weight):
         B, L = ids.shape
@@ -39,7 +55,7 @@ def fit_target(params, cfg: TargetConfig, batches: Iterator[dict], steps: int,
 
     opt_state = opt.init(params)
     losses = []
-    for _ in range(steps):
+    for i in range(steps):
         batch = next(batches)
         mask = jnp.asarray(batch["loss_mask"])
         # Everything before the last supervised token is real text (prompt or answer).
@@ -47,18 +63,20 @@ def fit_target(params, cfg: TargetConfig, batches: Iterator[dict], steps: int,
         weight = (jnp.arange(1, mask.shape[1])[None] <= last[:, None]).astype(jnp.float32)
         params, opt_state, loss = step(params, opt_state, jnp.asarray(batch["input_ids"]), weight)
         losses.append(loss)
+        if on_step is not None:
+            on_step(i + 1, float(loss))
     return params, [float(x) for x in jax.device_get(losses)]
 
 
-def make_tiny_target(out_dir, data_file, cfg: TargetConfig, *, steps: int = 150, seed: int = 0,
-                     max_length: int = 64):
-    """A tiny Hugging Face Qwen3 directory that models `data_file`: a BPE tokenizer trained on the
-    data's text (vocabulary cfg.vocab_size, ChatML specials at ids 0..3), random weights fitted for
-    `steps` next-token steps. Returns (params, out_dir)."""
+def prepare_target_dir(out_dir, data_file, cfg: TargetConfig, *, seed: int, max_length: int,
+                       batch_size: int = 16, init_std: float = 0.1):
+    """Trains a BPE tokenizer on the data's text into out_dir (vocabulary cfg.vocab_size, ChatML
+    specials at ids 0..3, Qwen3's generation_config stop ids), initialises the target's weights
+    (normal, `init_std`) and loads the data's conversations as next-token batches.
+    Returns (params, BatchIterator, tokenizer)."""
     import json
     from pathlib import Path
 
-    from dspark_jax.formats import hf_checkpoint
     from dspark_jax.formats.tokenizer import load_tokenizer, train_bpe_tokenizer
     from dspark_jax.models.target import target_spec
     from dspark_jax.params import init_params
@@ -74,15 +92,39 @@ def make_tiny_target(out_dir, data_file, cfg: TargetConfig, *, steps: int = 150,
     im_end, end_of_text = tokenizer.token_id("<|im_end|>"), tokenizer.token_id("<|endoftext|>")
     (out / "generation_config.json").write_text(
         json.dumps({"eos_token_id": [im_end, end_of_text]}) + "\n")
-    params = init_params(target_spec(cfg), jax.random.key(seed))
-    params = jax.tree.map(lambda x: x * 5 if x.ndim > 1 else x, params)  # std 0.1: a livelier start
+    params = init_params(target_spec(cfg), jax.random.key(seed))  # std 0.02 for matrices
+    params = jax.tree.map(lambda x: x * (init_std / 0.02) if x.ndim > 1 else x, params)
     ds = load_conversations(data_file, tokenizer, max_length=max_length, min_length=2,
                             system_prompt="")  # as the tiny drafter presets
-    batches = BatchIterator(ds, global_batch_size=min(16, len(ds)), num_anchors=1, block_size=1,
-                            seed=seed)
-    params, _ = fit_target(params, cfg, iter(batches), steps)
+    batches = BatchIterator(ds, global_batch_size=min(batch_size, len(ds)), num_anchors=1,
+                            block_size=1, seed=seed)
+    return params, batches, tokenizer
+
+
+def save_target_dir(params, cfg: TargetConfig, out_dir, tokenizer) -> None:
+    """Writes the weights (in cfg.dtype) and config.json beside the tokenizer
+    `prepare_target_dir` wrote; config.json's eos_token_id is <|im_end|>."""
+    import json
+    from pathlib import Path
+
+    from dspark_jax.formats import hf_checkpoint
+
+    out = Path(out_dir)
     hf_checkpoint.save_target(params, cfg, out)
     config = json.loads((out / "config.json").read_text())
-    config["eos_token_id"] = im_end
+    config["eos_token_id"] = tokenizer.token_id("<|im_end|>")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return params, out
+
+
+def make_tiny_target(out_dir, data_file, cfg: TargetConfig, *, steps: int = 150, seed: int = 0,
+                     max_length: int = 64):
+    """A tiny Hugging Face Qwen3 directory that models `data_file`: a BPE tokenizer trained on the
+    data's text, random weights (std 0.1: a livelier start) fitted for `steps` next-token steps.
+    Returns (params, out_dir)."""
+    from pathlib import Path
+
+    params, batches, tokenizer = prepare_target_dir(out_dir, data_file, cfg, seed=seed,
+                                                    max_length=max_length)
+    params, _ = fit_target(params, cfg, iter(batches), steps)
+    save_target_dir(params, cfg, out_dir, tokenizer)
+    return params, Path(out_dir)
