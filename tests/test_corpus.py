@@ -135,3 +135,21 @@ def test_train_target_refuses_to_overwrite_a_model(tmp_path, capsys):
         target.main(["--out", str(tmp_path)])
     assert "already holds a model" in capsys.readouterr().err
     assert (tmp_path / "target" / "model.safetensors").read_bytes() == b"keep me"
+
+
+def test_packed_batches_cover_the_stream_once_an_epoch_without_padding():
+    from dspark_jax.training.pretrain import packed_batches
+
+    seqs = [np.arange(10 * i, 10 * i + n) for i, n in enumerate((3, 7, 2, 9, 5, 4, 6, 8))]
+    stream = np.concatenate([np.append(s, -1) for s in seqs])  # -1: the separator
+    it = packed_batches(seqs, row_length=6, batch_size=2, separator=-1, seed=0)
+    rows = len(stream) // 6
+    first = [next(it) for _ in range(rows // 2)]
+    got = np.concatenate([b["input_ids"] for b in first])
+    assert sorted(map(tuple, got)) == sorted(map(tuple, stream[:rows * 6].reshape(rows, 6)))
+    assert all(b["loss_mask"].all() and b["input_ids"].shape == (2, 6) for b in first)
+    second = np.concatenate([next(it)["input_ids"] for _ in range(rows // 2)])
+    assert sorted(map(tuple, second)) == sorted(map(tuple, got))  # the next epoch, reshuffled
+    assert not np.array_equal(second, got)
+    with pytest.raises(ValueError, match="need at least a batch of 64"):
+        next(packed_batches(seqs, row_length=6, batch_size=64, separator=-1, seed=0))

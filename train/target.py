@@ -1,6 +1,6 @@
 """Pretrain the bundled demo target: a Qwen3-architecture model on the built-in corpus (math word
-problems with worked solutions, standard-library code, docstring prose; `training/corpus.py`),
-saved as a Hugging Face Qwen3 directory with its BPE tokenizer and a Qwen-style chat template.
+problems with worked solutions, standard-library code, docstring prose; `training/corpus.py`,
+conversations rendered with the chat template and packed end to end into rows), saved as a Hugging Face Qwen3 directory with its BPE tokenizer and a Qwen-style chat template.
 
     python -m train.target --out runs/demo [--preset demo] [--steps 1500] [--batch-size 16]
         [--max-length 384] [--learning-rate 2e-3] [--math-items 3000] [--seed 0]
@@ -76,11 +76,13 @@ def main(argv=None) -> int:
         counts = corpus.write_corpus(out / "data", seed=args.seed, math_items=args.math_items)
         print("corpus: " + ", ".join(f"{d} {c['train']} training / {c['held_out']} held out"
                                      for d, c in counts.items()), flush=True)
-        params, batches, tokenizer = prepare_target_dir(
+        params, batches, tokenizer, ds = prepare_target_dir(
             out / "target", out / "data" / "train.jsonl", cfg, seed=args.seed,
-            max_length=args.max_length, batch_size=args.batch_size, init_std=0.02)
-        print(f"tokenizer: {cfg.vocab_size} tokens; {len(batches.dataset)} training rows of at "
-              f"most {args.max_length} tokens", flush=True)
+            max_length=args.max_length, batch_size=args.batch_size, init_std=0.02, packed=True)
+        tokens = sum(len(ids) + 1 for ids in ds.input_ids)
+        print(f"tokenizer: {cfg.vocab_size} tokens; {len(ds)} conversations, {tokens} tokens "
+              f"packed in rows of {args.max_length} ({tokens / (args.max_length * args.batch_size):.0f} "
+              f"steps an epoch)", flush=True)
         bar = tqdm(total=args.steps, desc="pretraining", unit="step", mininterval=2.0)
         curve = []
 
@@ -92,7 +94,7 @@ def main(argv=None) -> int:
                               "seconds": round(time.perf_counter() - t0, 1)})
 
         t1 = time.perf_counter()
-        params, losses = fit_target(params, cfg, iter(batches), args.steps, args.learning_rate,
+        params, losses = fit_target(params, cfg, batches, args.steps, args.learning_rate,
                                     warmup_steps=min(args.warmup_steps, args.steps - 1),
                                     cosine=True, weight_decay=0.01, clip_norm=1.0, on_step=on_step)
         bar.close()
@@ -103,7 +105,8 @@ def main(argv=None) -> int:
         report = {"command": "python -m train.target " + shlex.join(argv),
                   "device": f"{jax.devices()[0].platform} x{jax.device_count()}",
                   "preset": args.preset, "steps": args.steps, "batch_size": args.batch_size,
-                  "max_length": args.max_length, "corpus": counts,
+                  "max_length": args.max_length, "corpus": counts, "tokens": tokens,
+                  "epochs": round(args.steps * args.batch_size * args.max_length / tokens, 2),
                   "final_loss": sum(losses[-20:]) / len(losses[-20:]),
                   "train_seconds": round(train_seconds, 1),
                   "total_seconds": round(time.perf_counter() - t0, 1), "curve": curve}

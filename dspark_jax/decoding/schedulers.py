@@ -69,7 +69,6 @@ class SchedulerConfig:
         if self.kind == "threshold":
             return f"threshold({self.threshold}){fill}"
         return self.kind + fill
-        return self.kind
 
 
 def survival(confidence: jax.Array) -> jax.Array:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import numpy as np
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -68,12 +70,33 @@ def fit_target(params, cfg: TargetConfig, batches: Iterator[dict], steps: int,
     return params, [float(x) for x in jax.device_get(losses)]
 
 
+def packed_batches(sequences, *, row_length: int, batch_size: int, separator: int, seed: int
+                   ) -> Iterator[dict]:
+    """Endless next-token batches of `sequences` (token id arrays) packed end to end, each followed
+    by `separator`, cut into rows of `row_length` (no padding: a short conversation shares its row
+    with the next ones, as LM pretraining packs documents). The row order is reshuffled every
+    epoch (`default_rng([seed, epoch])`); the last partial row of the stream is dropped."""
+    stream = np.concatenate([np.append(np.asarray(s, np.int32), separator) for s in sequences])
+    rows = stream[:len(stream) // row_length * row_length].reshape(-1, row_length)
+    if len(rows) < batch_size:
+        raise ValueError(f"{len(stream)} tokens make {len(rows)} rows of {row_length}; need at "
+                         f"least a batch of {batch_size}")
+    ones = np.ones((batch_size, row_length), bool)
+    epoch = 0
+    while True:
+        order = np.random.default_rng([seed, epoch]).permutation(len(rows))
+        for i in range(0, len(order) - batch_size + 1, batch_size):
+            yield {"input_ids": rows[order[i:i + batch_size]], "loss_mask": ones}
+        epoch += 1
+
+
 def prepare_target_dir(out_dir, data_file, cfg: TargetConfig, *, seed: int, max_length: int,
-                       batch_size: int = 16, init_std: float = 0.1):
+                       batch_size: int = 16, init_std: float = 0.1, packed: bool = False):
     """Trains a BPE tokenizer on the data's text into out_dir (vocabulary cfg.vocab_size, ChatML
     specials at ids 0..3, Qwen3's generation_config stop ids), initialises the target's weights
-    (normal, `init_std`) and loads the data's conversations as next-token batches.
-    Returns (params, BatchIterator, tokenizer)."""
+    (normal, `init_std`) and loads the data's conversations as next-token batches: one per row
+    cut to `max_length` (a BatchIterator), or with `packed` end to end in rows of `max_length`
+    (`packed_batches`). Returns (params, batches, tokenizer, the Dataset)."""
     import json
     from pathlib import Path
 
@@ -94,11 +117,15 @@ def prepare_target_dir(out_dir, data_file, cfg: TargetConfig, *, seed: int, max_
         json.dumps({"eos_token_id": [im_end, end_of_text]}) + "\n")
     params = init_params(target_spec(cfg), jax.random.key(seed))  # std 0.02 for matrices
     params = jax.tree.map(lambda x: x * (init_std / 0.02) if x.ndim > 1 else x, params)
-    ds = load_conversations(data_file, tokenizer, max_length=max_length, min_length=2,
-                            system_prompt="")  # as the tiny drafter presets
-    batches = BatchIterator(ds, global_batch_size=min(batch_size, len(ds)), num_anchors=1,
-                            block_size=1, seed=seed)
-    return params, batches, tokenizer
+    ds = load_conversations(data_file, tokenizer, max_length=cfg.max_position_embeddings if packed
+                            else max_length, min_length=2, system_prompt="")  # as the tiny presets
+    if packed:
+        batches = packed_batches(ds.input_ids, row_length=max_length, batch_size=batch_size,
+                                 separator=tokenizer.token_id("<|endoftext|>"), seed=seed)
+    else:
+        batches = iter(BatchIterator(ds, global_batch_size=min(batch_size, len(ds)), num_anchors=1,
+                                     block_size=1, seed=seed))
+    return params, batches, tokenizer, ds
 
 
 def save_target_dir(params, cfg: TargetConfig, out_dir, tokenizer) -> None:
@@ -123,8 +150,8 @@ def make_tiny_target(out_dir, data_file, cfg: TargetConfig, *, steps: int = 150,
     Returns (params, out_dir)."""
     from pathlib import Path
 
-    params, batches, tokenizer = prepare_target_dir(out_dir, data_file, cfg, seed=seed,
-                                                    max_length=max_length)
-    params, _ = fit_target(params, cfg, iter(batches), steps)
+    params, batches, tokenizer, _ = prepare_target_dir(out_dir, data_file, cfg, seed=seed,
+                                                       max_length=max_length)
+    params, _ = fit_target(params, cfg, batches, steps)
     save_target_dir(params, cfg, out_dir, tokenizer)
     return params, Path(out_dir)
