@@ -14,7 +14,7 @@ from dspark_jax.training import corpus
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
     out = tmp_path_factory.mktemp("corpus")
-    counts = corpus.write_corpus(out, seed=3, math_items=300, prompts_per_domain=4)
+    counts = corpus.write_corpus(out, seed=3, math_items=300)
     return out, counts
 
 
@@ -29,7 +29,7 @@ def test_every_domain_has_training_and_held_out_items(written):
         assert c["train"] > 0 and c["held_out"] > 0, domain
         assert len(_records(out / f"{domain}.jsonl")) == c["held_out"]
         prompts = _records(out / "prompts" / f"{domain}.jsonl")
-        assert len(prompts) == min(4, c["held_out"])
+        assert len(prompts) == c["held_out"]
         assert all(p["domain"] == domain and len(p["turns"]) == 1 for p in prompts)
     assert len(_records(out / "train.jsonl")) == sum(c["train"] for c in counts.values())
 
@@ -47,7 +47,7 @@ def test_held_out_items_never_train(written):
 
 def test_the_corpus_is_deterministic_in_the_seed(written, tmp_path):
     out, _ = written
-    corpus.write_corpus(tmp_path, seed=3, math_items=300, prompts_per_domain=4)
+    corpus.write_corpus(tmp_path, seed=3, math_items=300)
     for name in ("train.jsonl", "math.jsonl", "code.jsonl", "chat.jsonl", "prompts/math.jsonl"):
         assert (tmp_path / name).read_bytes() == (out / name).read_bytes(), name
     other = corpus.domain_items("math", seed=4, math_items=50)

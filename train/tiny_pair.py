@@ -32,10 +32,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from dspark_jax.config import load_config, preset_path
-    from dspark_jax.formats import deepspec
-    from dspark_jax.training import trainer
-    from dspark_jax.training.synthetic import write_synthetic_conversations
     from dspark_jax.training.pretrain import make_tiny_target
+    from dspark_jax.training.synthetic import write_synthetic_conversations
+    from train.demo_models import train_drafter
 
     out = Path(args.out)
     try:
@@ -47,19 +46,13 @@ def main(argv=None) -> int:
                 rec = json.loads(line)
                 first_user = next(m for m in rec["conversations"] if m["role"] == "user")
                 f.write(json.dumps({"id": rec["id"], "turns": [first_user["content"]]}) + "\n")
-        cfg = load_config(preset_path(args.preset), [
-            f"train.target_dir={out / 'target'}", f"train.data_file={data}",
-            f"train.workdir={out / 'drafter-run'}", f"train.max_steps={args.drafter_steps}",
-            "train.checkpoint_every=100000", f"train.seed={args.seed}", "mesh.data=1"])
+        cfg = load_config(preset_path(args.preset))
         print(f"fitting the tiny target ({args.target_steps} steps) ...", flush=True)
         make_tiny_target(out / "target", data, cfg.target, steps=args.target_steps, seed=args.seed)
         print(f"training the drafter ({args.drafter_steps} steps) ...", flush=True)
-        summary = trainer.run(cfg, on_step=lambda s: print(
-            f"  step {s.step} loss {s.metrics['loss']:.3f} acc@0 {s.metrics['accept_rate'][0]:.3f} "
-            f"tau_prob {s.metrics['tau_prob']:.2f}", flush=True) if s.step % 100 < cfg.train.log_every else None)
-        cfg, params, step = trainer.load_drafter_params(out / "drafter-run")
-        _, target_params = trainer.load_target_for(cfg, None)
-        deepspec.save_drafter(params, cfg.target, cfg.drafter, target_params, out / "drafter")
+        summary = train_drafter(args.preset, out / "target", data, out / "drafter-run",
+                                out / "drafter", args.drafter_steps, args.seed)
+        step = summary["step"]
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -227,10 +227,10 @@ def iter_records(items: list[dict]) -> Iterator[dict]:
 
 
 def write_corpus(out_dir: str | Path, *, seed: int = 0, held_out_fraction: float = 0.05,
-                 math_items: int = 4000, prompts_per_domain: int = 16) -> dict:
+                 math_items: int = 4000) -> dict:
     """Writes OUT/train.jsonl (every domain's training conversations, shuffled), OUT/{domain}.jsonl
     (held-out conversations with their reference answers) and OUT/prompts/{domain}.jsonl (the
-    first `prompts_per_domain` held-out questions as prompt records). Returns counts per domain."""
+    held-out questions as prompt records, with their domain). Returns counts per domain."""
     out = Path(out_dir)
     (out / "prompts").mkdir(parents=True, exist_ok=True)
     train, counts = [], {}
@@ -242,7 +242,7 @@ def write_corpus(out_dir: str | Path, *, seed: int = 0, held_out_fraction: float
             for rec in iter_records(held):
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
         with open(out / "prompts" / f"{domain}.jsonl", "w", encoding="utf-8") as f:
-            for it in held[:prompts_per_domain]:
+            for it in held:
                 f.write(json.dumps({"id": it["id"], "domain": domain, "turns": [it["question"]]},
                                    ensure_ascii=False) + "\n")
     order = np.random.default_rng(seed).permutation(len(train))

@@ -1,0 +1,34 @@
+"""`python -m train.demo_models` end to end on the tiny presets: target, regenerated answers, a
+DSpark and a DFlash drafter with the same data and budget, DeepSpec export, calibration; a rerun
+finds everything done."""
+
+import json
+
+from train import demo_models
+
+
+def test_demo_models_builds_and_resumes(tmp_path, capsys):
+    out = tmp_path / "demo"
+    argv = ["--out", str(out), "--target-preset", "tiny", "--target-steps", "3",
+            "--target-max-length", "64", "--math-items", "30",
+            "--drafters", "dspark=dspark-tiny,dflash=dflash-tiny", "--drafter-steps", "2",
+            "--drafter-set", "train.global_batch_size=2", "--regenerate-limit", "12",
+            "--regenerate-max-new-tokens", "12", "--regenerate-slots", "4",
+            "--regenerate-max-len", "256", "--calibrate-max-new-tokens", "8"]
+    assert demo_models.main(argv) == 0
+    regenerated = [json.loads(x) for x in (out / "data/regenerated.jsonl").read_text().splitlines()]
+    assert len(regenerated) == 12 and all(r["conversations"][-1]["role"] == "assistant"
+                                          for r in regenerated)
+    for name in ("dspark", "dflash"):
+        config = json.loads((out / "drafters" / name / "config.json").read_text())
+        assert (out / "drafters" / name / "model.safetensors").stat().st_size > 0
+        assert config["block_size"] == 4
+    assert (out / "drafters/dspark/sts.json").exists()  # the drafter with a confidence head
+    assert not (out / "drafters/dflash/sts.json").exists()
+    stages = json.loads((out / "demo_models.json").read_text())["runs"][0]["stages"]
+    assert [s["stage"] for s in stages] == ["target", "regenerate", "drafter dspark",
+                                            "calibrate dspark", "drafter dflash"]
+    capsys.readouterr()
+    assert demo_models.main(argv) == 0
+    assert "nothing left to do" in capsys.readouterr().out
+    assert len(json.loads((out / "demo_models.json").read_text())["runs"]) == 2
