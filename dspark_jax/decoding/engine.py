@@ -34,8 +34,8 @@ from dspark_jax.decoding.requests import Request, Result
 from dspark_jax.decoding.schedulers import SchedulerConfig
 from dspark_jax.decoding.state import (
     FINISH_REASONS,
-    RUNNING,
     PENDING,
+    RUNNING,
     EngineShape,
     RoundOutput,
     init_state,
