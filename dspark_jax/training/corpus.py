@@ -1,7 +1,7 @@
 """A built-in three-domain chat corpus that needs no download, for the bundled demo models.
 
 - math: generated grade-school word problems with worked step-by-step solutions ending in
-  ``\\boxed{N}``, phrased as GSM8K prompts are (the same closing instruction);
+  ``\\boxed{N}``, phrased as GSM8K prompts are (the same closing instruction), each question once;
 - code: top-level functions of the running interpreter's standard library (those with a
   docstring, at most `MAX_CODE_CHARS`), asked for as "Write a python function ..." with the
   function's source as the answer;
@@ -198,12 +198,14 @@ def _held_out(item_id: str, fraction: float) -> bool:
 
 def domain_items(domain: str, *, seed: int, math_items: int = 4000) -> list[dict]:
     """Every item of a domain: {"id", "question", "answer"}."""
-    if domain == "math":
+    if domain == "math":  # `math_items` drawn; a question drawn before is dropped (ids keep i)
         rng = np.random.default_rng(seed)
-        items = []
+        items, seen = [], set()
         for i in range(math_items):
             q, a = _math_problem(rng)
-            items.append({"id": f"math:{i}", "question": q, "answer": a})
+            if q not in seen:
+                seen.add(q)
+                items.append({"id": f"math:{i}", "question": q, "answer": a})
         return items
     code, chat = stdlib_items()
     if domain == "code":
