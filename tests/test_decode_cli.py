@@ -15,6 +15,7 @@ i committed for the request (accepted drafts plus the bonus token, after stop/bu
 `sum(accepted) == len(token_ids) - 1`; `verified[i]` is the number of drafts round i verified.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -558,3 +559,26 @@ def test_interrupted_run_keeps_its_finished_results(pair, tok, tmp_path, sig, co
     assert 3 <= len(lines) < n
     for r in lines:
         assert r["completion"] == tok.decode(r["token_ids"]) and r["finish_reason"]
+
+
+def test_dtype_flag_computes_a_bf16_checkpoint_in_float32_on_cpu(pair, tmp_path):
+    """--dtype auto on CPU: a bfloat16 target and drafter are served in float32 (XLA's CPU bf16
+    matmuls are several times slower); --dtype checkpoint keeps bfloat16; norms stay float32."""
+    import argparse
+
+    from dspark_jax.formats import deepspec, hf_checkpoint
+    from serve import cli
+
+    target, drafter = pair
+    tcfg, tparams, dcfg, dparams = deepspec.load_pair(target, drafter)
+    bf16 = tmp_path / "bf16"
+    hf_checkpoint.save_target(tparams, dataclasses.replace(tcfg, dtype="bfloat16"), bf16 / "target",
+                              tokenizer_dir=target)
+    deepspec.save_drafter(dparams, tcfg, dcfg, tparams, bf16 / "drafter", dtype="bfloat16")
+    for flag, want in (("auto", "float32"), ("checkpoint", "bfloat16"), ("float32", "float32")):
+        args = argparse.Namespace(target=str(bf16 / "target"), drafter=str(bf16 / "drafter"),
+                                  dtype=flag, sts="none")
+        t, tp, d, dp, _, _ = cli.load_models(args, None)
+        assert (t.dtype, d.dtype) == (want, want), flag
+        assert str(tp["embed"].dtype) == want and str(tp["layers"]["wq"].dtype) == want
+        assert str(tp["final_norm"].dtype) == "float32"
