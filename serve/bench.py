@@ -1,10 +1,15 @@
 """Serving benchmarks. `concurrency`: output tokens/s against the number of concurrent requests for
 plain decoding, fixed verification lengths and the load-aware schedulers (the paper's Fig. 7, 8).
+`reproduce`: the paper's findings on the bundled models, written to BENCHMARKS.md (serve/reproduce.py;
+`python -m serve.bench reproduce --help`).
 
-    python -m serve.bench concurrency --target DIR --drafter DIR --prompts FILE [FILE ...] --out DIR
+    python -m serve.bench concurrency [--target DIR --drafter DIR] [--prompts FILE ...] --out DIR
         [--levels 1,2,4,8,16,32] [--temperatures 0,1] [--schedulers plain,fixed1,fixed,greedy,async]
         [--max-new-tokens 128] [--requests-per-slot 8] [--repeats 3] [--ignore-eos] [--max-len 0]
-        [--prefill-buckets ...] [--sts FILE|none] [--seed 0] [--no-compile-cache]
+        [--prefill-buckets ...] [--sts FILE|none] [--limit N] [--seed 0] [--no-compile-cache]
+
+Without --target and --drafter: the bundled pair (tiny, tiny-dspark) and its held-out prompts of the
+three domains (--limit N: the first N of each file).
 
 Schedulers: plain (the target alone), fixed1 = fixed(1), fixed = fixed(γ), greedy, async. For each
 concurrency c (the engine's slot count R) and scheduler one engine is built and warmed up (every
@@ -18,7 +23,9 @@ first and their timed runs interleaved, --repeats times, the median kept: this m
 drifts between runs more than the differences measured. Throughput is measured at full load: the
 output tokens read back until the last request was admitted over the time until then (every slot
 busy, prefills included, the drain excluded; the whole run's figure is in the JSON as well).
-Tokens/s per user is a request's tokens after its first over its time since admission.
+Tokens/s per user is a request's tokens after its first over its time since admission. At T = 0 the
+first timed run's outputs of every scheduler are compared with plain decoding's, token for token
+(`same_as_plain` in the JSON).
 
 Writes into --out: concurrency.json (command, device, models, every row), concurrency.md (the tables
 printed at the end), throughput.png (tokens/s and mean budget per request against c), pareto.png
@@ -34,7 +41,7 @@ import sys
 from pathlib import Path
 
 from dspark_jax.errors import DSparkError
-from serve import cli
+from serve import cli, reproduce
 
 # name -> SchedulerConfig(kind, verify_len) arguments; None: the target alone.
 SCHEDULERS = {"plain": None, "fixed1": ("fixed", 1), "fixed": ("fixed", 0),
@@ -68,8 +75,9 @@ def parse_args(argv):
         if action.dest == "slots":
             action.help = argparse.SUPPRESS
     c.set_defaults(slots=None)
-    c.add_argument("--drafter", required=True, help="DeepSpec-format drafter directory")
-    c.add_argument("--prompts", nargs="+", required=True, help="JSONL prompt file(s)")
+    cli.add_drafter_flag(c)
+    c.add_argument("--prompts", nargs="+", default=["math", "code", "chat"],
+                   help="JSONL prompt file(s) or bundled prompt sets (default: math code chat)")
     c.add_argument("--out", required=True, help="output directory")
     c.add_argument("--levels", default="1,2,4,8,16,32", help="concurrencies (slot counts)")
     c.add_argument("--temperatures", default="0,1")
@@ -81,8 +89,14 @@ def parse_args(argv):
     c.add_argument("--ignore-eos", action="store_true", help="decode every request to its budget")
     c.add_argument("--sts", default="", help="calibration temperatures (sts.json); default: the "
                    "drafter directory's sts.json when present; 'none': raw confidences")
+    c.add_argument("--limit", type=int, default=0, help="at most this many prompts per file")
+    reproduce.add_parser(sub)
     args = ap.parse_args(argv)
+    if args.benchmark == "reproduce":
+        return args
     problems = []
+    if args.limit < 0:
+        problems.append(f"--limit {args.limit}: must be >= 0")
     if args.slots is not None:
         problems.append("--slots: the slot counts are given by --levels")
     levels = _numbers(args.levels, int, lambda v: v >= 1)
@@ -119,6 +133,8 @@ def parse_args(argv):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if args.benchmark == "reproduce":
+        return reproduce.main(args, argv)
     command = shlex.join(["python", "-m", "serve.bench", *argv])
     try:
         report = concurrency(args, command)
@@ -164,6 +180,7 @@ def concurrency(args, command: str) -> dict:
     for path in args.prompts:
         requests, _, errors = cli.read_requests(Path(path), tokenizer, probe.check_request,
                                                 max_new_tokens=1)
+        requests = requests[:args.limit] if args.limit else requests
         prompts, bad = prompts + requests, bad + len(errors)
     del probe
     if not prompts:
@@ -201,15 +218,22 @@ def concurrency(args, command: str) -> dict:
         for temp in args.temperatures:
             runs = {name: [] for name in engines}
             requests = batch(c * args.requests_per_slot, temp, args.max_new_tokens, f"c{c}-t{temp:g}")
-            for _ in range(args.repeats):
+            outputs = {name: {} for name in engines}  # first run's tokens, compared at T = 0
+            for repeat in range(args.repeats):
                 for name, engine in engines.items():
-                    runs[name].append(engine.generate(requests))
+                    keep = (lambda r, o=outputs[name]: o.__setitem__(r.id, r.token_ids)) \
+                        if repeat == 0 and temp == 0 else (lambda r: None)
+                    runs[name].append(engine.generate(requests, keep))
             for name, engine in engines.items():
                 m = sorted(runs[name], key=lambda m: m["full_load_tokens_per_s"])[len(runs[name]) // 2]
                 report["rows"].append({
                     "level": c, "temperature": temp, "scheduler": name, "describe": m["scheduler"],
                     "requests": len(requests), "sps_profile": engine.profile_source or None,
                     "tokens_per_s_runs": [r["full_load_tokens_per_s"] for r in runs[name]],
+                    # greedy output must equal the target's own, token for token
+                    "same_as_plain": (outputs[name] == outputs["plain"]
+                                      if temp == 0 and "plain" in outputs and name != "plain"
+                                      else None),
                     **{k: m[k] for k in RECORDED}})
                 print(f"c={c} T={temp:g} {name}: {m['full_load_tokens_per_s']:,.1f} tok/s, "
                       f"{m['tokens_per_s_per_request']:,.1f} tok/s per user, tau {m['tau']:.2f}, "

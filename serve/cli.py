@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from dspark_jax import bundled
+from dspark_jax.bundled import DEFAULT_DRAFTER, DEFAULT_TARGET
 from dspark_jax.errors import DSparkError
 
 SCHEDULERS = ("async", "greedy", "fixed", "threshold")
@@ -16,7 +18,9 @@ SCHEDULERS = ("async", "greedy", "fixed", "threshold")
 def add_engine_flags(ap: argparse.ArgumentParser, *, slots: int = 8) -> None:
     """Model, engine-shape and scheduler flags, shared by serve.decode, serve.profile, serve.bench
     and train.calibrate."""
-    ap.add_argument("--target", required=True, help="Hugging Face Qwen3 directory")
+    ap.add_argument("--target", default=DEFAULT_TARGET,
+                    help=f"Hugging Face Qwen3 directory, or a bundled target's name (default "
+                         f"{DEFAULT_TARGET})")
     ap.add_argument("--slots", type=int, default=slots, help="concurrent requests (R)")
     ap.add_argument("--max-len", type=int, default=0,
                     help="context positions per slot (default: min(2048, the target's maximum))")
@@ -49,9 +53,44 @@ def add_scheduler_flags(ap: argparse.ArgumentParser) -> None:
                     help="SPS profile (serve.profile); default: a cached start-up profile")
 
 
-def engine_flag_problems(args) -> list[str]:
-    """Flag errors (one line each), found before anything is loaded."""
+def add_drafter_flag(ap: argparse.ArgumentParser, *, none: bool = True) -> None:
+    """--drafter: a DeepSpec directory or a bundled name (default: the bundled drafter when the
+    target is the bundled one; otherwise it must be given)."""
+    ap.add_argument("--drafter", default=None,
+                    help="DeepSpec-format drafter directory" + (", 'none' (plain decoding)" if none
+                                                                else "")
+                    + f", or a bundled drafter's name ({', '.join(bundled.DRAFTERS)}); default "
+                      f"{DEFAULT_DRAFTER} with the bundled target")
+
+
+def resolve_bundled(args) -> list[str]:
+    """Bundled names in --target, --drafter and --prompts replaced by their paths (an existing path
+    of the same name wins); the drafter's default filled in. Returns the problems."""
     problems = []
+    try:
+        if getattr(args, "drafter", "") is None:
+            if args.target != DEFAULT_TARGET:
+                problems.append(f"--drafter is required with --target {args.target} (a DeepSpec "
+                                "drafter directory, or 'none')")
+                args.drafter = "none"
+            else:
+                args.drafter = DEFAULT_DRAFTER
+        args.target = bundled.resolve_target(args.target)
+        if getattr(args, "drafter", None):
+            args.drafter = bundled.resolve_drafter(args.drafter)
+        prompts = getattr(args, "prompts", None)
+        if isinstance(prompts, str):
+            args.prompts = bundled.resolve_prompts(prompts)
+        elif isinstance(prompts, list):
+            args.prompts = [bundled.resolve_prompts(p) for p in prompts]
+    except DSparkError as e:
+        problems.append(str(e))
+    return problems
+
+
+def engine_flag_problems(args) -> list[str]:
+    """Flag errors (one line each), found before anything is loaded; bundled names resolved."""
+    problems = resolve_bundled(args)
     if args.slots < 1:
         problems.append(f"--slots {args.slots}: must be >= 1")
     if args.data_parallel < 1 or args.tensor_parallel < 1:

@@ -1,6 +1,8 @@
 """Decode a file of prompts with speculative decoding (or plain target decoding), batched and jitted.
 
-    python -m serve.decode --target DIR --drafter DIR|none --prompts FILE --out FILE [--metrics FILE]
+    python -m serve.decode        # the bundled demo: target tiny, drafter tiny-dspark, sample prompts
+
+    python -m serve.decode --target DIR --drafter DIR|none --prompts FILE [--out FILE] [--metrics FILE]
         [--temperature T] [--top-p P] [--top-k K] [--max-new-tokens N] [--stop STR ...]
         [--logprobs N] [--slots R] [--max-len S] [--scheduler async|greedy|fixed|threshold]
         [--verify-len L] [--threshold t] [--bucket-fill] [--sts FILE|none] [--sps FILE] [--seed S]
@@ -36,10 +38,13 @@ not, but which drafts get verified does, and so does the realisation.
 """
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import signal
 import sys
+import textwrap
 from pathlib import Path
 
 from tqdm import tqdm
@@ -57,9 +62,12 @@ class Terminated(BaseException):
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_engine_flags(ap)
-    ap.add_argument("--drafter", required=True, help="DeepSpec-format drafter directory, or 'none'")
-    ap.add_argument("--prompts", required=True, help="JSONL prompt file")
-    ap.add_argument("--out", required=True, help="output JSONL (written as OUT.partial, then renamed)")
+    cli.add_drafter_flag(ap)
+    ap.add_argument("--prompts", default="samples",
+                    help="JSONL prompt file, or a bundled prompt set (samples, math, code, chat; "
+                         "default samples)")
+    ap.add_argument("--out", help="output JSONL (written as OUT.partial, then renamed); without "
+                                  "it, completions are printed as they finish")
     ap.add_argument("--metrics", help="write the summary metrics here as JSON")
     ap.add_argument("--temperature", type=float, default=None,
                     help="0 = greedy (default: generation_config.json's, else 0)")
@@ -175,11 +183,12 @@ def main(argv=None) -> int:
 
 def decode(args, engine, tokenizer, requests, prompts) -> dict:
     """Runs the engine, streaming one line per result to OUT.partial, renamed to OUT when every
-    request is done; returns the metrics. On an interruption the .partial file stays."""
+    request is done (without --out: each completion printed as it finishes); returns the metrics.
+    On an interruption the .partial file stays."""
     from dspark_jax.decoding.stop_strings import cut_at_stop, find_stop
 
     by_id = {req.id: req for req in requests}
-    partial = Path(f"{args.out}.partial")
+    partial = Path(f"{args.out}.partial") if args.out else None
     written = [0, 0]  # results, tokens
     signal.signal(signal.SIGTERM, _terminate)
 
@@ -188,7 +197,7 @@ def decode(args, engine, tokenizer, requests, prompts) -> dict:
         return bool(stops) and find_stop(tokenizer.decode(res.token_ids), stops) is not None
 
     try:
-        with open(partial, "w", encoding="utf-8") as out, \
+        with (open(partial, "w", encoding="utf-8") if partial else contextlib.nullcontext()) as out, \
                 tqdm(total=len(requests), unit="req", file=sys.stderr, mininterval=0.5) as bar:
 
             def write(res):
@@ -204,8 +213,11 @@ def decode(args, engine, tokenizer, requests, prompts) -> dict:
                     if args.logprobs:
                         line["top_logprobs"] = [[list(pair) for pair in top[:args.logprobs]]
                                                 for top in res.top_logprobs[:len(ids)]]
-                out.write(json.dumps(line, ensure_ascii=False) + "\n")
-                out.flush()
+                if out is None:
+                    bar.write(shown(line), file=sys.stdout)
+                else:
+                    out.write(json.dumps(line, ensure_ascii=False) + "\n")
+                    out.flush()
                 written[0] += 1
                 written[1] += len(ids)
                 bar.set_postfix_str(f"{written[1] / max(bar.format_dict['elapsed'], 1e-9):,.0f} "
@@ -214,13 +226,26 @@ def decode(args, engine, tokenizer, requests, prompts) -> dict:
 
             metrics = engine.generate(requests, write, should_stop=should_stop)
     except BaseException:
-        print(f"{written[0]} of {len(requests)} results were written to {partial}; {args.out} "
-              "was not written", file=sys.stderr)
+        if partial:
+            print(f"{written[0]} of {len(requests)} results were written to {partial}; {args.out} "
+                  "was not written", file=sys.stderr)
         raise
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.replace(partial, args.out)
+    if partial:
+        os.replace(partial, args.out)
     return metrics
+
+
+def shown(line: dict) -> str:
+    """A finished completion as the terminal shows it: a header, the prompt without the chat
+    template's markup, the completion."""
+    prompt = re.sub(r"<\|[^|<>]*\|>", "", line["prompt"]).strip()
+    rounds = len(line["verified"])
+    head = (f"── {line['id']} · {len(line['token_ids'])} tokens in {rounds} rounds · "
+            f"{line['finish_reason']} ")
+    return (f"{head:─<100}\n" + textwrap.indent(prompt, "  > ") + "\n"
+            + textwrap.indent(line["completion"].strip() or "(empty)", "  ") + "\n")
 
 
 def _terminate(signum, frame):

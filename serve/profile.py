@@ -22,7 +22,7 @@ from serve import cli
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_engine_flags(ap)
-    ap.add_argument("--drafter", required=True, help="DeepSpec-format drafter directory")
+    cli.add_drafter_flag(ap, none=False)
     ap.add_argument("--out", required=True, help="profile JSON to write")
     ap.add_argument("--context", type=int, default=0,
                     help="cached positions per slot (0: a quarter of the context)")

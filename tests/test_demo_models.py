@@ -32,3 +32,29 @@ def test_demo_models_builds_and_resumes(tmp_path, capsys):
     assert demo_models.main(argv) == 0
     assert "nothing left to do" in capsys.readouterr().out
     assert len(json.loads((out / "demo_models.json").read_text())["runs"]) == 2
+
+    # train.bundle: the same models, the drafters without the target's copies, loading as before
+    import numpy as np
+
+    from dspark_jax.formats.deepspec import SHARED_KEYS, load_pair
+    from dspark_jax.formats.safetensors_io import CheckpointFiles
+    from train import bundle
+
+    into = tmp_path / "bundle"
+    assert bundle.main(["--from", str(out), "--into", str(into), "--drafters", "dspark,dflash",
+                        "--samples", "2,1,1"]) == 0
+    manifest = json.loads((into / "MANIFEST.json").read_text())
+    assert manifest["drafters"] == {"tiny-dspark": "drafters/dspark", "tiny-dflash": "drafters/dflash"}
+    assert manifest["demo_models"][0]["command"].startswith("python -m train.demo_models")
+    assert len((into / "prompts/samples.jsonl").read_text().splitlines()) == 4
+    assert (into / "drafters/dspark/sts.json").exists()
+    for name in ("dspark", "dflash"):
+        assert not set(SHARED_KEYS) & set(CheckpointFiles(into / "drafters" / name).keys())
+        *_, params = load_pair(into / "target", into / "drafters" / name)
+        *_, reference = load_pair(out / "target", out / "drafters" / name)
+        for key in reference:
+            np.testing.assert_array_equal(np.asarray(params[key]), np.asarray(reference[key]))
+    assert not (tmp_path / "bundle.partial").exists()
+    assert bundle.main(["--from", str(tmp_path / "nowhere"), "--into", str(into)]) == 2
+    assert "missing (run train.demo_models first)" in capsys.readouterr().err
+    assert (into / "MANIFEST.json").exists()  # a failed bundle leaves the old one

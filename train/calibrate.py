@@ -19,8 +19,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
 from dspark_jax.errors import DSparkError
 from serve import cli
 
@@ -28,8 +26,9 @@ from serve import cli
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_engine_flags(ap, slots=16)
-    ap.add_argument("--drafter", required=True, help="DeepSpec-format drafter directory")
-    ap.add_argument("--prompts", required=True, nargs="+", help="JSONL prompt file(s)")
+    cli.add_drafter_flag(ap, none=False)
+    ap.add_argument("--prompts", nargs="+", default=["math", "code", "chat"],
+                    help="JSONL prompt file(s) or bundled prompt sets (default: math code chat)")
     ap.add_argument("--out", default="", help="output directory (default: the drafter's)")
     ap.add_argument("--eval-fraction", type=float, default=0.3,
                     help="share of the prompts held out to measure the calibration")
@@ -50,18 +49,6 @@ def parse_args(argv):
     if problems:
         ap.error("; ".join(problems))
     return args
-
-
-def stack_rounds(results) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(z [N, γ], ℓ [N], k [N]) over every round with a proposal of the given results."""
-    z, ell, k = [], [], []
-    for res in results:
-        for logits, verified, accepted in zip(res.conf_logits, res.verified, res.drafts_accepted):
-            if logits and verified:
-                z.append(logits)
-                ell.append(verified)
-                k.append(accepted)
-    return np.asarray(z, np.float64), np.asarray(ell, np.int64), np.asarray(k, np.int64)
 
 
 def main(argv=None) -> int:
@@ -105,22 +92,18 @@ def main(argv=None) -> int:
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    rng = np.random.default_rng(args.seed)
-    order = rng.permutation(len(results))
-    n_eval = max(1, int(round(args.eval_fraction * len(results))))
-    held = [results[i] for i in order[:n_eval]]
-    fit = [results[i] for i in order[n_eval:]]
-    z_fit, ell_fit, k_fit = stack_rounds(fit)
-    z_eval, ell_eval, k_eval = stack_rounds(held)
-    if not len(z_fit) or not len(z_eval):
-        print("error: no decoding rounds with drafts to fit or to measure on (prompts too short, or "
-              "--max-new-tokens too small)", file=sys.stderr)
+    try:
+        fitted = calibration.fit_on_results(results, eval_fraction=args.eval_fraction, seed=args.seed,
+                                            bins=args.bins)
+    except DSparkError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    temps = calibration.fit_sts(z_fit, ell_fit, k_fit, bins=args.bins)
-    report = calibration.position_report(z_eval, ell_eval, k_eval, temps, bins=args.bins)
+    temps, report = fitted.temperatures, fitted.report
+    z_eval, ell_eval, k_eval = fitted.held_out
+    held, fit, z_fit = fitted.prompts_eval, fitted.prompts_fit, fitted.fit_rounds
     info = {"drafter": str(args.drafter), "prompts": [str(p) for p in args.prompts],
-            "serving_temperature": args.temperature, "prompts_fit": len(fit), "prompts_eval": len(held),
-            "rounds_fit": int(len(z_fit)), "rounds_eval": int(len(z_eval)), "bins": args.bins,
+            "serving_temperature": args.temperature, "prompts_fit": fit, "prompts_eval": held,
+            "rounds_fit": int(z_fit), "rounds_eval": int(len(z_eval)), "bins": args.bins,
             "tau": metrics["tau"], "seed": args.seed}
     out_dir.mkdir(parents=True, exist_ok=True)
     calibration.save_sts(out_dir / "sts.json", temps, mean_ece_after=report["mean_ece_after"], **info)
@@ -137,7 +120,7 @@ def main(argv=None) -> int:
                         for c, w in zip(cells, (6, 10, 9, 10, 9, 6)))
         print(f"{j + 1:>2} {report['n'][j]:>7} {temps[j]:>6.3f} {text}")
     print(f"mean ECE before {report['mean_ece_before']:.4f}, after {report['mean_ece_after']:.4f} "
-          f"({len(z_eval)} held-out rounds from {len(held)} prompts; fitted on {len(z_fit)} rounds)")
+          f"({len(z_eval)} held-out rounds from {held} prompts; fitted on {z_fit} rounds)")
     print(f"wrote {out_dir / 'sts.json'}, {out_dir / 'calibration.json'}, {out_dir / 'reliability.png'}")
     return 0
 

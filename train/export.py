@@ -1,44 +1,66 @@
-"""Export a trained drafter from an orbax training checkpoint to the DeepSpec format.
+"""Export a drafter to a complete DeepSpec-format directory.
 
     python -m train.export --checkpoint runs/dspark-8b [--step N] --out exported/dspark-8b [--dtype bfloat16]
+    python -m train.export --drafter tiny-dspark [--target tiny] --out exported/tiny-dspark
 
-The output directory (config.json + model.safetensors, the target's embedding and lm_head copied in)
-loads in DeepSpec-format torch stacks and back here with `dspark_jax.formats.deepspec.load_drafter`.
+From an orbax training checkpoint (`--checkpoint`), or from a drafter directory or bundled drafter
+(`--drafter`; bundled drafters leave out the target's embedding and lm_head copies, which this puts
+back). The output directory (config.json + model.safetensors with the target's embedding and lm_head
+copied in, and the drafter's sts.json when it has one) loads in DeepSpec-format torch stacks and back
+here with `dspark_jax.formats.deepspec.load_drafter`.
 """
 
 import argparse
+import shutil
 import sys
+from pathlib import Path
 
 from dspark_jax.errors import DSparkError
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", required=True, help="training workdir (holds checkpoints/)")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="training workdir (holds checkpoints/)")
+    src.add_argument("--drafter", help="drafter directory or bundled drafter name")
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                     help="tensor dtype to write (default: the drafter's compute dtype)")
     ap.add_argument("--target", default=None,
                     help="Hugging Face target directory for the embedding/lm_head copies "
-                         "(default: the run's train.target_dir)")
+                         "(default: the run's train.target_dir; with --drafter: the bundled tiny)")
     args = ap.parse_args(argv)
 
+    from dspark_jax import bundled
     from dspark_jax.formats import deepspec
     from dspark_jax.training import trainer
 
     try:
-        cfg, params, step = trainer.load_drafter_params(args.checkpoint, args.step)
-        if args.target:
-            import dataclasses
-            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, target_dir=args.target))
-        _, target_params = trainer.load_target_for(cfg, mesh=None)
-        out = deepspec.save_drafter(params, cfg.target, cfg.drafter, target_params, args.out,
-                                    dtype=args.dtype)
+        if args.drafter:
+            drafter = bundled.resolve_drafter(args.drafter)
+            target = bundled.resolve_target(args.target or bundled.DEFAULT_TARGET)
+            if Path(args.out).resolve() == Path(drafter).resolve():
+                raise DSparkError(f"--out {args.out}: is the drafter directory itself")
+            tcfg, tparams, dcfg, params = deepspec.load_pair(target, drafter)
+            out = deepspec.save_drafter(params, tcfg, dcfg, tparams, args.out, dtype=args.dtype)
+            if (Path(drafter) / "sts.json").is_file():
+                shutil.copy2(Path(drafter) / "sts.json", out / "sts.json")
+            what = drafter
+        else:
+            cfg, params, step = trainer.load_drafter_params(args.checkpoint, args.step)
+            if args.target:
+                import dataclasses
+                cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
+                                                                         target_dir=args.target))
+            _, target_params = trainer.load_target_for(cfg, mesh=None)
+            out = deepspec.save_drafter(params, cfg.target, cfg.drafter, target_params, args.out,
+                                        dtype=args.dtype)
+            what = f"step {step} of {args.checkpoint}"
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"exported step {step} of {args.checkpoint} to {out}")
+    print(f"exported {what} to {out}")
     return 0
 
 

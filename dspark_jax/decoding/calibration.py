@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -346,3 +347,45 @@ def reliability_diagram(z, verified, accepted, temperatures, path, bins: int = 1
     path = Path(path)
     fig.savefig(path, dpi=100)
     return path
+
+
+def stack_rounds(results) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(z [N, γ], ℓ [N], k [N]) over every round with a proposal of the engine's results (decoded
+    with `keep_confidences`)."""
+    z, ell, k = [], [], []
+    for res in results:
+        for logits, verified, accepted in zip(res.conf_logits, res.verified, res.drafts_accepted):
+            if logits and verified:
+                z.append(logits)
+                ell.append(verified)
+                k.append(accepted)
+    return np.asarray(z, np.float64), np.asarray(ell, np.int64), np.asarray(k, np.int64)
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """STS fitted on some requests' rounds and measured on the others'."""
+
+    temperatures: np.ndarray
+    report: dict  # position_report on the held-out rounds
+    held_out: tuple[np.ndarray, np.ndarray, np.ndarray]  # (z, ℓ, k) of the held-out rounds
+    prompts_fit: int
+    prompts_eval: int
+    fit_rounds: int
+
+
+def fit_on_results(results, *, eval_fraction: float = 0.3, seed: int = 0, bins: int = 10) -> Fitted:
+    """Splits the results (one per prompt) at random (`seed`), fits STS on the rounds of
+    1 - eval_fraction of them and reports on the rounds of the rest."""
+    order = np.random.default_rng(seed).permutation(len(results))
+    n_eval = max(1, int(round(eval_fraction * len(results))))
+    held = [results[i] for i in order[:n_eval]]
+    fit = [results[i] for i in order[n_eval:]]
+    z_fit, ell_fit, k_fit = stack_rounds(fit)
+    evaluated = stack_rounds(held)
+    if not len(z_fit) or not len(evaluated[0]):
+        raise DSparkError("no decoding rounds with drafts to fit or to measure on (prompts too "
+                          "short, or too few new tokens)")
+    temps = fit_sts(z_fit, ell_fit, k_fit, bins=bins)
+    return Fitted(temps, position_report(*evaluated, temps, bins=bins), evaluated, len(fit),
+                  len(held), len(z_fit))

@@ -1,0 +1,548 @@
+"""`python -m serve.bench reproduce`: the paper's findings measured on the bundled models, written to
+BENCHMARKS.md with its figures.
+
+    python -m serve.bench reproduce [--out BENCHMARKS.md] [--figures benchmarks/figures]
+        [--work runs/reproduce] [--levels 1,2,4,8,16,32] [--thresholds 0.1,0.3,0.5,0.7,0.9]
+        [--max-new-tokens 96] [--max-len 512] [--repeats 3] [--requests-per-slot 3] [--slots 16]
+        [--dflash-b15 DIR] [--train-steps 1000] [--no-compile-cache]
+
+Models: the bundled target `tiny` and drafters `tiny-dspark`, `tiny-dflash` (block 7) and
+`tiny-dspark-b15`; the block-15 DFlash baseline is not bundled (the 50 MB budget) and is trained here
+first with the bundled drafters' recipe (`configs/dflash-demo-b15.yaml`, the bundled regenerated
+data, the same steps and seed; about 15 minutes on 2 cores, kept in WORK/drafters/dflash-b15 for the
+next run) unless --dflash-b15 names one. Prompts: the bundled held-out prompts per domain (math,
+code, chat). Stages, in order:
+
+  acceptance     every drafter decodes every prompt with its whole block verified (fixed(γ)) at
+                 T = 0 and T = 1: τ per domain (Table 1), conditional acceptance per position (Fig. 2)
+  calibration    STS refitted on the T = 1 rounds of the DSpark drafters (70 % of the prompts) and
+                 measured on the rest: ECE and AUC per position, reliability diagrams (Fig. 6)
+  threshold      the threshold scheduler at each --thresholds value, calibrated, T = 1: acceptance
+                 rate, τ and drafts verified per round (Fig. 5)
+  concurrency    `serve.bench concurrency` with every scheduler over --levels, T = 0 and 1, with the
+                 T = 0 outputs compared with plain decoding's token for token (Fig. 7, 8), from which
+                 speculative over plain decoding at batch 1 and 16
+
+Every table and figure in the output names the command and the machine it came from; the raw
+numbers go to WORK/reproduce.json and WORK/concurrency/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dspark_jax import bundled
+from dspark_jax.errors import DSparkError
+from serve import cli
+
+DOMAINS = ("math", "code", "chat")
+# name -> (bundled drafter name or None (trained here), family, block)
+MODELS = {"dspark-b7": ("tiny-dspark", "DSpark", 7), "dflash-b7": ("tiny-dflash", "DFlash", 7),
+          "dspark-b15": ("tiny-dspark-b15", "DSpark", 15), "dflash-b15": (None, "DFlash", 15)}
+DFLASH_B15_PRESET = "dflash-demo-b15"
+DEMO_DRAFTER_STEPS = 1000  # what train.demo_models trained the bundled drafters for
+
+
+def add_parser(sub) -> None:
+    r = sub.add_parser("reproduce", help="the paper's findings on the bundled models -> BENCHMARKS.md",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("--out", default="BENCHMARKS.md")
+    r.add_argument("--figures", default="benchmarks/figures", help="directory for the PNGs")
+    r.add_argument("--work", default="runs/reproduce", help="raw results, the trained baseline")
+    r.add_argument("--levels", default="1,2,4,8,16,32", help="concurrencies")
+    r.add_argument("--thresholds", default="0.1,0.3,0.5,0.7,0.9")
+    r.add_argument("--max-new-tokens", type=int, default=96)
+    r.add_argument("--max-len", type=int, default=512, help="context positions per slot")
+    r.add_argument("--repeats", type=int, default=3, help="timed runs per concurrency cell")
+    r.add_argument("--requests-per-slot", type=int, default=3)
+    r.add_argument("--slots", type=int, default=16, help="slots of the acceptance/threshold runs")
+    r.add_argument("--limit", type=int, default=0, help="at most this many prompts per domain")
+    r.add_argument("--dflash-b15", default="", help="a trained block-15 DFlash drafter to use")
+    r.add_argument("--train-steps", type=int, default=DEMO_DRAFTER_STEPS,
+                   help="steps of the block-15 DFlash baseline (the bundled drafters' budget)")
+    r.add_argument("--models", default=",".join(MODELS), help="subset of " + ", ".join(MODELS))
+    r.add_argument("--no-compile-cache", action="store_true")
+    r.add_argument("--seed", type=int, default=0)
+
+
+def check_args(args) -> list[str]:
+    problems = []
+    args.models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown or not args.models:
+        problems.append(f"--models: unknown {', '.join(unknown) or '(none)'}; expected some of "
+                        f"{', '.join(MODELS)}")
+    try:
+        args.thresholds = [float(t) for t in args.thresholds.split(",") if t]
+        if not args.thresholds or not all(0 <= t <= 1 for t in args.thresholds):
+            raise ValueError
+    except ValueError:
+        problems.append(f"--thresholds {args.thresholds!r}: expected numbers in [0, 1]")
+    for flag in ("max_new_tokens", "max_len", "repeats", "slots", "train_steps"):
+        if getattr(args, flag) < 1:
+            problems.append(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
+    if args.requests_per_slot < 2:
+        problems.append(f"--requests-per-slot {args.requests_per_slot}: must be >= 2")
+    if args.dflash_b15 and not Path(args.dflash_b15).is_dir():
+        problems.append(f"--dflash-b15 {args.dflash_b15}: not a directory")
+    if Path(args.figures).exists() and not Path(args.figures).is_dir():
+        problems.append(f"--figures {args.figures}: is a file; expected a directory")
+    problems += cli.output_problems({"--out": args.out}, {})
+    return problems
+
+
+def machine() -> dict:
+    import jax
+
+    device = jax.devices()[0]
+    return {"platform": device.platform, "device_kind": device.device_kind,
+            "devices": jax.device_count(), "cpu": platform.processor() or platform.machine(),
+            "cpu_cores": os.cpu_count(), "python": platform.python_version(),
+            "jax": jax.__version__, "date": datetime.date.today().isoformat()}
+
+
+def machine_line(m: dict) -> str:
+    return (f"{m['device_kind']} x{m['devices']} ({m['cpu_cores']} CPU cores, {m['cpu']}), "
+            f"jax {m['jax']}, Python {m['python']}, {m['date']}")
+
+
+# -- models ----------------------------------------------------------------------------------
+
+def drafter_dirs(args, log) -> dict[str, str]:
+    out = {}
+    for name in args.models:
+        name_bundled = MODELS[name][0]
+        if name_bundled:
+            out[name] = bundled.resolve_drafter(name_bundled)
+        elif args.dflash_b15:
+            out[name] = args.dflash_b15
+        else:
+            export = Path(args.work) / "drafters" / name
+            if not (export / "model.safetensors").is_file():
+                from train.demo_models import train_drafter
+
+                print(f"== training the {name} baseline ({args.train_steps} steps; resumable)",
+                      flush=True)
+                t0 = time.perf_counter()
+                train_drafter(DFLASH_B15_PRESET, Path(bundled.resolve_target("tiny")),
+                              bundled.REGENERATED, Path(args.work) / "runs" / name, export,
+                              args.train_steps, args.seed, "bfloat16")
+                log.append({"stage": f"train {name}", "seconds": round(time.perf_counter() - t0, 1)})
+            out[name] = str(export)
+    return out
+
+
+class Models:
+    """The bundled target loaded once, each drafter loaded beside it on demand."""
+
+    def __init__(self, args):
+        from dspark_jax.formats.tokenizer import load_tokenizer
+
+        self.args = args
+        self.target = bundled.resolve_target("tiny")
+        self.tokenizer = load_tokenizer(self.target)
+        self.mesh = None
+
+    def load(self, drafter: str, sts: str = "none"):
+        ns = argparse.Namespace(target=self.target, drafter=drafter, sts=sts, dtype="auto",
+                                verify_len=0)
+        return cli.load_models(ns, self.mesh)
+
+    def requests(self, engine, temperature: float) -> list:
+        out = []
+        for domain in DOMAINS:
+            reqs, _, _ = cli.read_requests(Path(bundled.PROMPTS[domain]), self.tokenizer,
+                                           engine.check_request,
+                                           max_new_tokens=self.args.max_new_tokens,
+                                           temperature=temperature)
+            reqs = reqs[:self.args.limit] if self.args.limit else reqs
+            out += [dataclasses.replace(r, id=f"{domain}/{r.id}") for r in reqs]
+        return out
+
+
+# -- acceptance (Table 1, Fig. 2) ---------------------------------------------------------------
+
+def position_counts(results, gamma: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """(reached [γ], accepted [γ], k+1 per round) over every round with a proposal."""
+    reached, accepted, taus = np.zeros(gamma, np.int64), np.zeros(gamma, np.int64), []
+    for res in results:
+        for ell, k in zip(res.verified, res.drafts_accepted):
+            if ell:
+                reached[:min(k + 1, ell)] += 1
+                accepted[:min(k, ell)] += 1
+                taus.append(k + 1)
+    return reached, accepted, taus
+
+
+def acceptance(models: Models, drafters: dict[str, str], args) -> tuple[dict, dict]:
+    """Per model and temperature: τ per domain and macro, conditional acceptance per position.
+    Also returns the T = 1 results of the drafters with a confidence head (for calibration)."""
+    from dspark_jax.decoding.engine import Engine
+    from dspark_jax.decoding.schedulers import SchedulerConfig
+
+    table, kept = {}, {}
+    for name, path in drafters.items():
+        tcfg, tparams, dcfg, dparams, _, _ = models.load(path)
+        engine = Engine(tcfg, tparams, dcfg, dparams, slots=args.slots, max_len=args.max_len,
+                        scheduler=SchedulerConfig("fixed"), seed=args.seed)
+        engine.warmup()
+        for temp in (0.0, 1.0):
+            results = []
+            t0 = time.perf_counter()
+            engine.generate(models.requests(engine, temp), results.append, keep_confidences=True)
+            row = {"domains": {}}
+            for domain in DOMAINS:
+                mine = [r for r in results if r.id.startswith(domain + "/")]
+                _, _, taus = position_counts(mine, dcfg.block_size)
+                row["domains"][domain] = {"tau": float(np.mean(taus)), "prompts": len(mine),
+                                          "rounds": len(taus)}
+            reached, acc, taus = position_counts(results, dcfg.block_size)
+            row.update(tau_macro=float(np.mean([d["tau"] for d in row["domains"].values()])),
+                       tau_all=float(np.mean(taus)),
+                       conditional_acceptance=(acc / np.maximum(reached, 1)).tolist(),
+                       reached=reached.tolist(), seconds=round(time.perf_counter() - t0, 1))
+            table[f"{name}@{temp:g}"] = row
+            print(f"acceptance {name} T={temp:g}: tau {row['tau_macro']:.3f} macro "
+                  + " ".join(f"{d} {v['tau']:.2f}" for d, v in row["domains"].items()), flush=True)
+            if temp == 1.0 and dcfg.enable_confidence_head:
+                kept[name] = results
+        del engine
+    return table, kept
+
+
+def plot_positions(table: dict, names: list[str], path: Path, temp: float = 1.0) -> None:
+    fig, (ax,) = _figure(1)
+    for i, name in enumerate(names):
+        row = table.get(f"{name}@{temp:g}")
+        if row is None:
+            continue
+        ca = row["conditional_acceptance"]
+        ax.plot(range(1, len(ca) + 1), ca, marker="o", color=f"C{i}",
+                linestyle="-" if MODELS[name][1] == "DSpark" else "--",
+                label=f"{MODELS[name][1]} block {MODELS[name][2]}")
+    ax.set(xlabel="draft position j", ylabel="P(draft j accepted | drafts before it accepted)",
+           title=f"conditional acceptance by position, T = {temp:g}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# -- calibration (Fig. 6) -------------------------------------------------------------------------
+
+def calibration_stage(kept: dict, figures: Path, args) -> dict:
+    from dspark_jax.decoding import calibration
+
+    out = {}
+    for name, results in kept.items():
+        fitted = calibration.fit_on_results(results, eval_fraction=0.3, seed=args.seed)
+        rep = fitted.report
+        calibration.reliability_diagram(*fitted.held_out, fitted.temperatures,
+                                        figures / f"reliability-{name}.png",
+                                        title=f"{name}: held-out rounds, T = 1")
+        auc_shift = [abs(a - b) for a, b in zip(rep["auc"], rep["auc_before"])
+                     if a is not None and b is not None]
+        out[name] = {"temperatures": fitted.temperatures.tolist(), "prompts_fit": fitted.prompts_fit,
+                     "prompts_eval": fitted.prompts_eval, "rounds_fit": fitted.fit_rounds,
+                     "rounds_eval": int(len(fitted.held_out[0])),
+                     "max_auc_shift": max(auc_shift) if auc_shift else None, **rep}
+        print(f"calibration {name}: mean ECE {rep['mean_ece_before']:.4f} -> "
+              f"{rep['mean_ece_after']:.4f}", flush=True)
+    return out
+
+
+# -- threshold sweep (Fig. 5) -----------------------------------------------------------------------
+
+def threshold_stage(models: Models, drafter: str, args) -> list[dict]:
+    from dspark_jax.decoding.engine import Engine
+    from dspark_jax.decoding.schedulers import SchedulerConfig
+
+    tcfg, tparams, dcfg, dparams, sts, sts_from = models.load(drafter, sts="")
+    rows = []
+    for t in args.thresholds:
+        engine = Engine(tcfg, tparams, dcfg, dparams, slots=args.slots,
+                        max_len=args.max_len,
+                        scheduler=SchedulerConfig("threshold", threshold=t), seed=args.seed, sts=sts)
+        engine.warmup()
+        m = engine.generate(models.requests(engine, 1.0))
+        rows.append({"threshold": t, "acceptance_rate": m["acceptance_rate"], "tau": m["tau"],
+                     "mean_verified": m["mean_verified"], "calibration": sts_from or None})
+        print(f"threshold {t:g}: acceptance {m['acceptance_rate']:.3f}, tau {m['tau']:.3f}, "
+              f"verified {m['mean_verified']:.2f}", flush=True)
+        del engine
+    return rows
+
+
+def plot_threshold(rows: list[dict], path: Path, name: str) -> None:
+    fig, (ax,) = _figure(1)
+    ts = [r["threshold"] for r in rows]
+    ax.plot(ts, [r["acceptance_rate"] for r in rows], marker="o", color="C0", label="acceptance rate")
+    ax.set(xlabel="confidence threshold", ylabel="acceptance rate (accepted / verified)",
+           title=f"{name}: threshold sweep, T = 1")
+    ax2 = ax.twinx()
+    ax2.plot(ts, [r["tau"] for r in rows], marker="s", color="C1", label="τ (tokens / round)")
+    ax2.plot(ts, [r["mean_verified"] for r in rows], marker="^", color="C2",
+             label="drafts verified / round")
+    ax2.set_ylabel("tokens per round")
+    lines = ax.get_lines() + ax2.get_lines()
+    ax.legend(lines, [ln.get_label() for ln in lines], fontsize="small", loc="center left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _figure(panels: int):
+    from serve.bench import _figure as figure
+
+    return figure(panels)
+
+
+# -- the report ---------------------------------------------------------------------------------------
+
+def criteria(res: dict) -> list[tuple[str, str, bool | None]]:
+    """(what, measured, passed) for the findings the demo must show."""
+    acc, out = res["acceptance"], []
+
+    def tau(name, temp=1.0):
+        row = acc.get(f"{name}@{temp:g}")
+        return row["tau_macro"] if row else None
+
+    ratios = {}
+    for block in (7, 15):
+        s, f = tau(f"dspark-b{block}"), tau(f"dflash-b{block}")
+        ratios[block] = s / f if s and f else None
+    if ratios[7] is not None:
+        out.append(("τ(DSpark) / τ(DFlash), macro over domains, block 7, T = 1 (≥ 1.10)",
+                    f"{ratios[7]:.3f}", ratios[7] >= 1.10))
+    if ratios[15] is not None and ratios[7] is not None:
+        out.append(("the same at block 15, larger than at block 7", f"{ratios[15]:.3f}",
+                    ratios[15] > ratios[7]))
+    for block in (7, 15):
+        rows = [acc.get(f"{n}-b{block}@1") for n in ("dspark", "dflash")]
+        if all(rows):
+            fall = [r["conditional_acceptance"][0] - r["conditional_acceptance"][-1] for r in rows]
+            out.append((f"conditional acceptance, first minus last position, block {block}: DFlash "
+                        "falls more than DSpark", f"DSpark {fall[0]:.3f}, DFlash {fall[1]:.3f}",
+                        fall[1] > fall[0]))
+    for name, cal in res.get("calibration", {}).items():
+        out.append((f"{name}: mean ECE after STS on held-out rounds (≤ 1.5 %)",
+                    f"{100 * cal['mean_ece_before']:.2f} % → {100 * cal['mean_ece_after']:.2f} %",
+                    cal["mean_ece_after"] <= 0.015))
+        if cal["max_auc_shift"] is not None:
+            out.append((f"{name}: AUC per position unchanged by STS (within 0.005)",
+                        f"largest shift {cal['max_auc_shift']:.4f}", cal["max_auc_shift"] <= 0.005))
+    conc = res.get("concurrency")
+    if conc:
+        tps = {(r["level"], r["temperature"], r["scheduler"]): r for r in conc["rows"]}
+        for temp in conc["temperatures"]:
+            plain, spec = tps.get((1, temp, "plain")), [tps.get((1, temp, s)) for s in ("async", "fixed")]
+            if plain and all(spec):
+                best = max(spec, key=lambda r: r["full_load_tokens_per_s"])
+                speed = best["full_load_tokens_per_s"] / plain["full_load_tokens_per_s"]
+                same = best.get("same_as_plain")
+                what = f"speculative ({best['scheduler']}) over plain decoding at batch 1, T = {temp:g}"
+                if temp == 0:
+                    out.append((what + " (≥ 2×, identical output)",
+                                f"{speed:.2f}×, output {'identical' if same else 'DIFFERENT'}",
+                                speed >= 2 and bool(same)))
+                else:
+                    out.append((what, f"{speed:.2f}×", None))
+        top = 16 if 16 in conc["levels"] else None
+        if top:
+            for temp in conc["temperatures"]:
+                plain = tps.get((top, temp, "plain"))
+                below = [f"{s} {tps[top, temp, s]['full_load_tokens_per_s'] / plain['full_load_tokens_per_s']:.2f}×"
+                         for s in conc["schedulers"] if s != "plain" and (top, temp, s) in tps]
+                worst = min((tps[top, temp, s]["full_load_tokens_per_s"]
+                             for s in conc["schedulers"] if s != "plain" and (top, temp, s) in tps),
+                            default=None)
+                if plain and worst is not None:
+                    out.append((f"no scheduler below plain decoding at 16 requests, T = {temp:g}",
+                                ", ".join(below), worst >= plain["full_load_tokens_per_s"]))
+        ratios_c = conc.get("ratios", [])
+        if ratios_c and all(q["async_over_best"] is not None for q in ratios_c):
+            worst = min(ratios_c, key=lambda q: q["async_over_best"])
+            out.append(("async ≥ 0.97 × the best of plain, fixed(1), fixed(γ) at every level",
+                        f"lowest {worst['async_over_best']:.2f} (c = {worst['level']}, "
+                        f"T = {worst['temperature']:g})", worst["async_over_best"] >= 0.97))
+        at32 = [q for q in ratios_c if q["level"] == 32]
+        if at32:
+            low = min(q["async_over_fixed"] for q in at32)
+            out.append(("async ≥ 1.15 × fixed(γ) at 32 requests", f"{low:.2f}", low >= 1.15))
+        for temp in conc["temperatures"]:
+            budgets = [tps[c, temp, "async"]["mean_budget"] for c in conc["levels"]
+                       if (c, temp, "async") in tps]
+            if len(budgets) > 1:
+                out.append((f"async's mean budget per request falls as concurrency rises, T = {temp:g}",
+                            " → ".join(f"{b:.2f}" for b in budgets),
+                            all(b2 <= b1 + 0.05 for b1, b2 in zip(budgets, budgets[1:]))
+                            and budgets[-1] < budgets[0]))
+    return out
+
+
+def render(res: dict) -> str:
+    m, cmd = res["machine"], res["command"]
+    fig = res["figures_rel"]
+    acc = res["acceptance"]
+    lines = ["# Benchmarks", "",
+             "Generated by `serve.bench reproduce`; every number and figure below comes out of it.",
+             "", f"- command: `{cmd}`", f"- machine: {machine_line(m)}",
+             "- models: the bundled target `tiny` (15.7M parameters) and drafters "
+             + ", ".join(f"`{MODELS[n][0] or res['drafters'][n]}`" for n in res["drafters"])
+             + "; prompts: the bundled held-out prompts "
+             + ", ".join(f"{d} {res['prompt_counts'][d]}" for d in DOMAINS),
+             f"- at most {res['max_new_tokens']} new tokens per request, stopping at the stop "
+             f"tokens; acceptance and threshold runs with {res['slots']} slots", ""]
+    lines += ["## Findings", "", "| finding | measured | holds |", "|---|---|:-:|"]
+    for what, value, ok in res["criteria"]:
+        lines.append(f"| {what} | {value} | {'–' if ok is None else ('yes' if ok else '**no**')} |")
+    lines += ["", "## τ per domain (Table 1 shape)", "",
+              "Tokens committed per round (accepted drafts + 1) with the whole block verified "
+              "(fixed(γ)), so every position is observed.", ""]
+    for temp in (1.0, 0.0):
+        lines += [f"T = {temp:g}:", "", "| drafter | block | " + " | ".join(DOMAINS) + " | macro |",
+                  "|---|---:|" + "---:|" * (len(DOMAINS) + 1)]
+        for name in res["drafters"]:
+            row = acc.get(f"{name}@{temp:g}")
+            if row:
+                lines.append(f"| {MODELS[name][1]} | {MODELS[name][2]} | "
+                             + " | ".join(f"{row['domains'][d]['tau']:.3f}" for d in DOMAINS)
+                             + f" | {row['tau_macro']:.3f} |")
+        lines.append("")
+    lines += ["## Conditional acceptance by position (Fig. 2)", "",
+              f"![conditional acceptance]({fig}/positions.png)", "",
+              "| drafter | block | " + " | ".join(f"j={j}" for j in range(1, 16)) + " |",
+              "|---|---:|" + "---:|" * 15]
+    for name in res["drafters"]:
+        row = acc.get(f"{name}@1")
+        if row:
+            ca = [f"{v:.3f}" for v in row["conditional_acceptance"]] + [""] * (15 - MODELS[name][2])
+            lines.append(f"| {MODELS[name][1]} | {MODELS[name][2]} | " + " | ".join(ca) + " |")
+    lines.append("")
+    if res.get("threshold"):
+        lines += [f"## Confidence-threshold sweep (Fig. 5), {res['threshold_model']}, T = 1", "",
+                  f"![threshold sweep]({fig}/threshold.png)", "",
+                  "| threshold | acceptance rate | τ | drafts verified / round |", "|---:|---:|---:|---:|"]
+        for r in res["threshold"]:
+            lines.append(f"| {r['threshold']:g} | {r['acceptance_rate']:.3f} | {r['tau']:.3f} | "
+                         f"{r['mean_verified']:.2f} |")
+        lines.append("")
+    for name, cal in res.get("calibration", {}).items():
+        lines += [f"## Calibration of {name} (Fig. 6)", "",
+                  f"STS fitted on the T = 1 rounds of {cal['prompts_fit']} prompts "
+                  f"({cal['rounds_fit']} rounds), measured on the {cal['rounds_eval']} rounds of "
+                  f"the other {cal['prompts_eval']}.", "", f"![reliability]({fig}/reliability-{name}.png)",
+                  "", "| position | rounds | T | ECE before | ECE after | AUC before | AUC after |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        for j, n in enumerate(cal["n"]):
+            cells = [cal[k][j] for k in ("ece_before", "ece_after", "auc_before", "auc")]
+            lines.append(f"| {j + 1} | {n} | {cal['temperatures'][j]:.3f} | "
+                         + " | ".join("–" if c is None else f"{c:.4f}" for c in cells) + " |")
+        lines.append("")
+    conc = res.get("concurrency")
+    if conc:
+        from serve.bench import markdown
+
+        lines += ["## Throughput against concurrency (Fig. 7, 8)", "",
+                  f"![throughput]({fig}/throughput.png)", "", f"![per-user frontier]({fig}/pareto.png)",
+                  "", markdown(conc), "## Speculative over plain decoding", "",
+                  "Full-load output tokens/s over plain decoding's, from the table above; T = 0 "
+                  "outputs compared with plain decoding's token for token.", "",
+                  "| batch | T | " + " | ".join(s for s in conc["schedulers"] if s != "plain")
+                  + " | T = 0 outputs equal plain |", "|---:|---:|" + "---:|" * len(conc["schedulers"])]
+        tps = {(r["level"], r["temperature"], r["scheduler"]): r for r in conc["rows"]}
+        for c in [lv for lv in (1, 16) if lv in conc["levels"]]:
+            for t in conc["temperatures"]:
+                plain = tps.get((c, t, "plain"))
+                if not plain:
+                    continue
+                cells = [f"{tps[c, t, s]['full_load_tokens_per_s'] / plain['full_load_tokens_per_s']:.2f}×"
+                         if (c, t, s) in tps else "–" for s in conc["schedulers"] if s != "plain"]
+                same = [s for s in conc["schedulers"] if s != "plain"
+                        and tps.get((c, t, s), {}).get("same_as_plain") is False]
+                eq = ("–" if t != 0 else ("all" if not same else "not " + ", ".join(same)))
+                lines.append(f"| {c} | {t:g} | " + " | ".join(cells) + f" | {eq} |")
+        lines.append("")
+    lines += ["## Stage times", "", "| stage | seconds |", "|---|---:|"]
+    lines += [f"| {s['stage']} | {s['seconds']} |" for s in res["stages"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(args, argv: list[str]) -> int:
+    command = shlex.join(["python", "-m", "serve.bench", *argv])
+    problems = check_args(args)
+    if problems:
+        print("error: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    if not args.no_compile_cache:
+        from dspark_jax import compile_cache
+
+        compile_cache.enable()
+    work, figures = Path(args.work), Path(args.figures)
+    try:
+        for d in (work, figures):
+            d.mkdir(parents=True, exist_ok=True)
+        stages: list[dict] = []
+        res = {"command": command, "machine": machine(), "max_new_tokens": args.max_new_tokens,
+               "slots": args.slots, "stages": stages,
+               "figures_rel": os.path.relpath(figures, Path(args.out).resolve().parent)}
+
+        def stage(name, fn, *a):
+            t0 = time.perf_counter()
+            value = fn(*a)
+            stages.append({"stage": name, "seconds": round(time.perf_counter() - t0, 1)})
+            return value
+
+        drafters = drafter_dirs(args, stages)
+        res["drafters"] = drafters
+        models = Models(args)
+        res["prompt_counts"] = {d: sum(1 for line in Path(bundled.PROMPTS[d]).read_text().splitlines()
+                                       if line.strip()) for d in DOMAINS}
+        if args.limit:
+            res["prompt_counts"] = {d: min(n, args.limit) for d, n in res["prompt_counts"].items()}
+        res["acceptance"], kept = stage("acceptance", acceptance, models, drafters, args)
+        plot_positions(res["acceptance"], list(drafters), figures / "positions.png")
+        res["calibration"] = stage("calibration", calibration_stage, kept, figures, args)
+        if "dspark-b7" in drafters:
+            res["threshold_model"] = "DSpark block 7 (tiny-dspark, calibrated)"
+            res["threshold"] = stage("threshold", threshold_stage, models, drafters["dspark-b7"], args)
+            plot_threshold(res["threshold"], figures / "threshold.png", "tiny-dspark")
+        del models, kept
+        if "dspark-b7" in drafters:
+            from serve import bench
+
+            bargs = ["concurrency", "--drafter", drafters["dspark-b7"], "--out", str(work / "concurrency"),
+                     "--levels", args.levels, "--temperatures", "0,1", "--max-len", str(args.max_len),
+                     "--max-new-tokens", str(args.max_new_tokens), "--repeats", str(args.repeats),
+                     "--requests-per-slot", str(args.requests_per_slot), "--seed", str(args.seed)]
+            if args.limit:
+                bargs += ["--limit", str(args.limit)]
+            if args.no_compile_cache:
+                bargs.append("--no-compile-cache")
+            cargs = bench.parse_args(bargs)
+            res["concurrency"] = stage("concurrency", bench.concurrency, cargs,
+                                       shlex.join(["python", "-m", "serve.bench", *bargs]))
+            for png in ("throughput.png", "pareto.png"):
+                shutil.copy2(work / "concurrency" / png, figures / png)
+    except DSparkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    res["criteria"] = criteria(res)
+    (work / "reproduce.json").write_text(json.dumps(res, indent=1) + "\n")
+    text = render(res)
+    Path(args.out).write_text(text)
+    print(text)
+    print(f"wrote {args.out}, {figures}/*.png, {work / 'reproduce.json'}")
+    return 0
