@@ -64,6 +64,8 @@ def test_concurrency_sweep_writes_its_report(tiny_pair, prompt_file, tmp_path):
         assert r["output_tokens"] == 8 * r["requests"]
         assert sum(r["buckets"].values()) == r["rounds"]
     assert {r["describe"] for r in rows} == {"plain", "fixed(4)", "async"}
+    # greedy speculative output is the target's own, token for token
+    assert [r["same_as_plain"] for r in rows if r["scheduler"] != "plain"] == [True] * 4
     assert all(r["tau"] == 1 and r["mean_budget"] == 0 for r in rows if r["scheduler"] == "plain")
     assert all(r["tau"] >= 1 for r in rows)
     assert all(r["mean_verified"] > 0 for r in rows if r["scheduler"] == "fixed"), rows
@@ -119,3 +121,18 @@ def test_missing_prompt_file(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"error: {missing}: prompt file not found" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--models", "dspark-b7,eagle"], "--models: unknown eagle; expected some of dspark-b7"),
+    (["--thresholds", "0.5,2"], "--thresholds '0.5,2': expected numbers in [0, 1]"),
+    (["--requests-per-slot", "1"], "--requests-per-slot 1: must be >= 2"),
+    (["--dflash-b15", "{tmp}/nowhere"], "--dflash-b15 {tmp}/nowhere: not a directory"),
+    (["--out", "{tmp}/no/BENCHMARKS.md"], "--out {tmp}/no/BENCHMARKS.md: directory {tmp}/no does not exist"),
+])
+def test_reproduce_bad_flags_exit_2_before_anything_runs(tmp_path, flags, message):
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    proc = bench_cli("reproduce", "--work", tmp_path / "work", *flags, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert f"error: {message.format(tmp=tmp_path)}" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "work").exists()

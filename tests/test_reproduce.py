@@ -1,0 +1,63 @@
+"""`serve.bench reproduce`'s verdicts and report from measured rows (the stages themselves run the
+engine, which tests/test_bench_cli.py and the engine tests cover on smaller models)."""
+
+from serve import reproduce
+
+
+def _acceptance_row(ca, tau):
+    reached = [100 - 10 * j for j in range(len(ca))]
+    return {"domains": {d: {"tau": tau, "prompts": 3, "rounds": 9} for d in reproduce.DOMAINS},
+            "tau_macro": tau, "tau_all": tau, "conditional_acceptance": ca, "reached": reached}
+
+
+def _conc_row(level, temp, scheduler, tps, budget=0.0, same=None):
+    return {"level": level, "temperature": temp, "scheduler": scheduler, "full_load_tokens_per_s": tps,
+            "tokens_per_s_per_request": tps / level, "mean_budget": budget, "same_as_plain": same,
+            "describe": scheduler, "requests": 2 * level, "tau": 2.0, "acceptance_rate": 0.5}
+
+
+def _result():
+    flat7, falling7 = [0.8] * 7, [0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2]
+    acc = {"dspark-b7@1": _acceptance_row(flat7, 3.3), "dflash-b7@1": _acceptance_row(falling7, 2.9),
+           "dspark-b15@1": _acceptance_row([0.8] * 15, 3.6),
+           "dflash-b15@1": _acceptance_row([0.8 - 0.04 * j for j in range(15)], 3.0)}
+    for key in list(acc):
+        acc[key.replace("@1", "@0")] = acc[key]
+    rows = []
+    for level, plain, spec, budget in ((1, 100, 230, 6.0), (16, 400, 390, 0.5)):
+        rows.append(_conc_row(level, 0.0, "plain", plain))
+        rows.append(_conc_row(level, 0.0, "fixed", spec, 6.0, True))
+        rows.append(_conc_row(level, 0.0, "async", spec + 5, budget, True))
+    conc = {"levels": [1, 16], "temperatures": [0.0], "schedulers": ["plain", "fixed", "async"],
+            "rows": rows, "ratios": [{"level": 1, "temperature": 0.0, "async_over_best": 1.02,
+                                      "async_over_fixed": 1.02},
+                                     {"level": 16, "temperature": 0.0, "async_over_best": 0.99,
+                                      "async_over_fixed": 1.01}]}
+    cal = {"mean_ece_before": 0.05, "mean_ece_after": 0.012, "max_auc_shift": 0.002}
+    return {"acceptance": acc, "calibration": {"dspark-b7": cal}, "concurrency": conc}
+
+
+def test_verdicts_follow_the_measurements():
+    verdicts = {what: (value, ok) for what, value, ok in reproduce.criteria(_result())}
+    ratio7 = next(v for k, v in verdicts.items() if "block 7, T = 1 (≥ 1.10)" in k)
+    assert ratio7 == (f"{3.3 / 2.9:.3f}", True)
+    ratio15 = next(v for k, v in verdicts.items() if "at block 15, larger" in k)
+    assert ratio15 == (f"{3.6 / 3.0:.3f}", True)
+    falls = [v for k, v in verdicts.items() if "falls along the block" in k]
+    assert [ok for _, ok in falls] == [True, True]
+    assert falls[0][0] == "DSpark 0.000, DFlash 0.427"  # 0.8 - (35+24+15+8)/220: weighted by rounds
+    speed = next(v for k, v in verdicts.items() if "batch 1, T = 0" in k)
+    assert speed == ("2.35×, output identical", True)
+    at16 = next(v for k, v in verdicts.items() if "below plain decoding at 16" in k)
+    assert at16 == ("fixed 0.97×, async 0.99×", False)
+    assert verdicts["async's mean budget per request falls as concurrency rises, T = 0"] == \
+        ("6.00 → 0.50", True)
+    assert verdicts["dspark-b7: mean ECE after STS on held-out rounds (≤ 1.5 %)"][1] is True
+
+
+def test_a_different_greedy_output_fails_the_speedup_finding():
+    res = _result()
+    next(r for r in res["concurrency"]["rows"] if r["scheduler"] == "async" and r["level"] == 1)[
+        "same_as_plain"] = False
+    speed = next((v, ok) for k, v, ok in reproduce.criteria(res) if "batch 1, T = 0" in k)
+    assert speed == ("2.35×, output DIFFERENT", False)
