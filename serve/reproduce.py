@@ -175,21 +175,10 @@ class Models:
 
 # -- acceptance (Table 1, Fig. 2) ---------------------------------------------------------------
 
-def position_counts(results, gamma: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """(reached [γ], accepted [γ], k+1 per round) over every round with a proposal."""
-    reached, accepted, taus = np.zeros(gamma, np.int64), np.zeros(gamma, np.int64), []
-    for res in results:
-        for ell, k in zip(res.verified, res.drafts_accepted):
-            if ell:
-                reached[:min(k + 1, ell)] += 1
-                accepted[:min(k, ell)] += 1
-                taus.append(k + 1)
-    return reached, accepted, taus
-
-
 def acceptance(models: Models, drafters: dict[str, str], args) -> tuple[dict, dict]:
     """Per model and temperature: τ per domain and macro, conditional acceptance per position.
     Also returns the T = 1 results of the drafters with a confidence head (for calibration)."""
+    from dspark_jax.decoding import metrics
     from dspark_jax.decoding.engine import Engine
     from dspark_jax.decoding.schedulers import SchedulerConfig
 
@@ -206,10 +195,10 @@ def acceptance(models: Models, drafters: dict[str, str], args) -> tuple[dict, di
             row = {"domains": {}}
             for domain in DOMAINS:
                 mine = [r for r in results if r.id.startswith(domain + "/")]
-                _, _, taus = position_counts(mine, dcfg.block_size)
+                _, _, taus = metrics.acceptance_by_position(mine, dcfg.block_size)
                 row["domains"][domain] = {"tau": float(np.mean(taus)), "prompts": len(mine),
                                           "rounds": len(taus)}
-            reached, acc, taus = position_counts(results, dcfg.block_size)
+            reached, acc, taus = metrics.acceptance_by_position(results, dcfg.block_size)
             row.update(tau_macro=float(np.mean([d["tau"] for d in row["domains"].values()])),
                        tau_all=float(np.mean(taus)),
                        conditional_acceptance=(acc / np.maximum(reached, 1)).tolist(),

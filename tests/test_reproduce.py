@@ -62,3 +62,21 @@ def test_a_different_greedy_output_fails_the_speedup_finding():
         "same_as_plain"] = False
     speed = next((v, ok) for k, v, ok in reproduce.criteria(res) if "batch 1, T = 0" in k)
     assert speed == ("2.35×, output DIFFERENT", False)
+
+
+def test_acceptance_by_position_counts_as_the_engine_tally_does():
+    import numpy as np
+
+    from dspark_jax.decoding.metrics import Tally, acceptance_by_position
+    from dspark_jax.decoding.requests import Result
+
+    rounds = [(4, 0), (4, 4), (2, 2), (4, 1), (3, 3), (4, 2)]  # (ℓ verified, k accepted)
+    res = Result(id="a", token_ids=[], finish_reason="", accepted=[], verified=[ell for ell, _ in rounds],
+                 drafts_accepted=[k for _, k in rounds])
+    tally = Tally(4)
+    for ell, k in rounds:
+        tally.slot(k + 1, ell, k)
+    reached, accepted, taus = acceptance_by_position([res], 4)
+    assert reached.tolist() == [6, 5, 3, 1] and accepted.tolist() == [5, 4, 2, 1]
+    np.testing.assert_allclose(accepted / reached, tally.summary()["conditional_acceptance"])
+    assert np.mean(taus) == tally.summary()["tau"]

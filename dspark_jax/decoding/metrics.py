@@ -85,3 +85,17 @@ class Tally:
             "elapsed_s": elapsed,
             "rounds": self.rounds,
         }
+
+
+def acceptance_by_position(results, gamma: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """From results decoded with `keep_confidences` (k per round): (rounds that verified draft j+1
+    with drafts 1..j accepted [γ], those that accepted it too [γ], k + 1 per round with a proposal);
+    their ratio is `conditional_acceptance`, the mean of the last τ, as the Tally counts them."""
+    reached, accepted, taus = np.zeros(gamma, np.int64), np.zeros(gamma, np.int64), []
+    for res in results:
+        for ell, k in zip(res.verified, res.drafts_accepted):
+            if ell:
+                reached[:min(k + 1, ell)] += 1
+                accepted[:min(k, ell)] += 1
+                taus.append(k + 1)
+    return reached, accepted, taus
