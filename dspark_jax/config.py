@@ -119,6 +119,28 @@ class DrafterConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class Eagle3Config:
+    """The Eagle3 baseline drafter (DESIGN §3b), as DeepSpec trains it.
+
+    `ttt_length` is both the number of unrolled test-time-training steps and the proposal length;
+    step k's loss is weighted by `step_loss_decay`**k.
+    """
+
+    ttt_length: int = 7
+    step_loss_decay: float = 0.8
+    # One decoder layer whose q/k/v read [embedding; hidden]: DeepSpec's Eagle3 has no other shape.
+    num_draft_layers: int = 1
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; master weights are float32
+
+    def __post_init__(self):
+        _require(self.ttt_length >= 1, "ttt_length", f"must be >= 1, got {self.ttt_length}")
+        _require(0 < self.step_loss_decay <= 1, "step_loss_decay",
+                 f"must be in (0, 1], got {self.step_loss_decay}")
+        _require(self.num_draft_layers == 1, "num_draft_layers",
+                 f"Eagle3 has exactly one draft layer, got {self.num_draft_layers}")
+
+
+@dataclasses.dataclass(frozen=True)
 class LossConfig:
     """L = ce·CE + tv·‖p_d − p_t‖₁ + confidence·BCE, position weights exp(−k / decay_gamma)."""
 

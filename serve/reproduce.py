@@ -4,7 +4,7 @@ BENCHMARKS.md with its figures.
     python -m serve.bench reproduce [--out BENCHMARKS.md] [--figures benchmarks/figures]
         [--work runs/reproduce] [--levels 1,2,4,8,16,32] [--thresholds 0.1,0.3,0.5,0.7,0.9]
         [--max-new-tokens 96] [--max-len 512] [--repeats 3] [--requests-per-slot 3] [--slots 16]
-        [--dflash-b15 DIR] [--train-steps 1000] [--no-compile-cache]
+        [--dflash-b15 DIR] [--train-steps 800] [--no-compile-cache]
 
 Models: the bundled target `tiny` and drafters `tiny-dspark`, `tiny-dflash` (block 7) and
 `tiny-dspark-b15`; the block-15 DFlash baseline is not bundled (the 50 MB budget) and is trained here
@@ -52,7 +52,7 @@ DOMAINS = ("math", "code", "chat")
 MODELS = {"dspark-b7": ("tiny-dspark", "DSpark", 7), "dflash-b7": ("tiny-dflash", "DFlash", 7),
           "dspark-b15": ("tiny-dspark-b15", "DSpark", 15), "dflash-b15": (None, "DFlash", 15)}
 DFLASH_B15_PRESET = "dflash-demo-b15"
-DEMO_DRAFTER_STEPS = 1000  # what train.demo_models trained the bundled drafters for
+DEMO_DRAFTER_STEPS = 800  # what train.demo_models trained the bundled drafters for
 
 
 def add_parser(sub) -> None:

@@ -2,7 +2,7 @@
 corpus's questions, drafters trained on those answers with identical data and budget, each
 exported in DeepSpec format and calibrated.
 
-    python -m train.demo_models --out runs/demo [--target-steps 420] [--drafter-steps 1000]
+    python -m train.demo_models --out runs/demo [--target-steps 420] [--drafter-steps 800]
         [--drafters dspark=dspark-demo,dflash=dflash-demo,dspark-b15=dspark-demo-b15]
         [--target-preset demo] [--drafter-set KEY=VALUE ...] [--regenerate-limit N] [--seed 0]
 
@@ -40,7 +40,7 @@ def parse_args(argv):
     ap.add_argument("--target-max-length", type=int, default=384)
     ap.add_argument("--math-items", type=int, default=3000)
     ap.add_argument("--drafters", default=DEFAULT_DRAFTERS, help="NAME=PRESET,... (configs/)")
-    ap.add_argument("--drafter-steps", type=int, default=1000)
+    ap.add_argument("--drafter-steps", type=int, default=800)
     ap.add_argument("--drafter-set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every drafter (repeatable), e.g. "
                          "train.global_batch_size=16")

@@ -69,8 +69,8 @@ _MUST_FIT = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_he
              "num_key_value_heads", "head_dim", "rms_norm_eps")
 
 
-def drafter_config_from_hf(hf: dict, tcfg: TargetConfig, where: str) -> DrafterConfig:
-    """DrafterConfig from a DeepSpec config.json, checking that it fits the target."""
+def target_fit_problems(hf: dict, tcfg: TargetConfig) -> list[str]:
+    """What in a drafter's config.json does not fit the target (shapes, RoPE, tapped layers)."""
     problems = []
     for key in _MUST_FIT:
         mine = hf.get(key, hf["hidden_size"] // hf["num_attention_heads"] if key == "head_dim" else None)
@@ -85,6 +85,12 @@ def drafter_config_from_hf(hf: dict, tcfg: TargetConfig, where: str) -> DrafterC
     if hf.get("num_target_layers", tcfg.num_hidden_layers) != tcfg.num_hidden_layers:
         problems.append(f"num_target_layers {hf['num_target_layers']} != target "
                         f"{tcfg.num_hidden_layers}")
+    return problems
+
+
+def drafter_config_from_hf(hf: dict, tcfg: TargetConfig, where: str) -> DrafterConfig:
+    """DrafterConfig from a DeepSpec config.json, checking that it fits the target."""
+    problems = target_fit_problems(hf, tcfg)
     if hf.get("mask_token_id") != tcfg.mask_token_id:
         problems.append(f"mask_token_id {hf.get('mask_token_id')} != target {tcfg.mask_token_id}")
     if problems:
@@ -144,21 +150,28 @@ def load_drafter(directory: str | Path, tcfg: TargetConfig, target_params=None, 
     key_map = drafter_key_map(tcfg, dcfg)
     check_tensors(files, key_map, str(directory), optional=frozenset(SHARED_KEYS))
     if target_params is not None:
-        for key, ref in _target_copies(target_params, tcfg).items():
-            if key not in files:
-                continue
-            mine = files.array(key)
-            ref = ref.astype(mine.dtype)  # a bf16 export holds bf16-rounded copies
-            diff = (float(np.max(np.abs(mine.astype(np.float32) - ref.astype(np.float32))))
-                    if mine.shape == ref.shape else float("inf"))
-            if diff > 0:
-                msg = (f"{directory}: {key} differs from the target's (max abs diff {diff:.3g}, "
-                       f"shape {mine.shape} vs {ref.shape}); the drafter was trained against "
-                       "another target, and ours will be used")
-                if on_mismatch == "error":
-                    raise CheckpointError(msg)
-                warnings.warn(msg, stacklevel=2)
+        check_target_copies(files, target_params, tcfg, directory, on_mismatch)
     return dcfg, load_tensors(files, key_map, drafter_spec(tcfg, dcfg), mesh)
+
+
+def check_target_copies(files: CheckpointFiles, target_params, tcfg: TargetConfig, directory: Path,
+                        on_mismatch: str) -> None:
+    """Compares a drafter checkpoint's embedding/lm_head copies (when present) with the target's;
+    a difference raises (`on_mismatch="error"`) or warns (`"warn"`)."""
+    for key, ref in _target_copies(target_params, tcfg).items():
+        if key not in files:
+            continue
+        mine = files.array(key)
+        ref = ref.astype(mine.dtype)  # a bf16 export holds bf16-rounded copies
+        diff = (float(np.max(np.abs(mine.astype(np.float32) - ref.astype(np.float32))))
+                if mine.shape == ref.shape else float("inf"))
+        if diff > 0:
+            msg = (f"{directory}: {key} differs from the target's (max abs diff {diff:.3g}, "
+                   f"shape {mine.shape} vs {ref.shape}); the drafter was trained against "
+                   "another target, and ours will be used")
+            if on_mismatch == "error":
+                raise CheckpointError(msg)
+            warnings.warn(msg, stacklevel=3)
 
 
 def save_drafter(dparams, tcfg: TargetConfig, dcfg: DrafterConfig, target_params,
