@@ -4,6 +4,11 @@ A config is a tree of frozen dataclasses. `load_config(path, overrides)` reads a
 name a `base:` preset to start from, relative to its own folder), applies `section.key=value`
 overrides (values parsed as YAML scalars/lists), and checks every key, type and consistency rule.
 Every error a user can cause is one `ConfigError` that names the key.
+
+The `drafter` section is one of several kinds, told apart by its `kind` key (`dspark`, the default,
+or `eagle3`): a union of config classes that each carry a `kind` class variable is read as the
+member its mapping's `kind` names, and `to_dict` writes the key back. A class variable, not a field:
+DSpark configs, and everything derived from their fields, stay as they were before kinds existed.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import dataclasses
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, ClassVar, Literal, Mapping, Sequence
 
 import yaml
 
@@ -86,6 +91,7 @@ class DrafterConfig:
     that is DFlash.
     """
 
+    kind: ClassVar[str] = "dspark"  # `drafter.kind`; the default when a config names none
     num_draft_layers: int = 5
     block_size: int = 7
     markov_rank: int = 256
@@ -110,6 +116,11 @@ class DrafterConfig:
                  "needs a Markov embedding (markov_rank > 0)")
 
     @property
+    def proposal_length(self) -> int:
+        """Drafts per round (γ)."""
+        return self.block_size
+
+    @property
     def has_markov(self) -> bool:
         return self.markov_rank > 0
 
@@ -123,9 +134,10 @@ class Eagle3Config:
     """The Eagle3 baseline drafter (DESIGN §3b), as DeepSpec trains it.
 
     `ttt_length` is both the number of unrolled test-time-training steps and the proposal length;
-    step k's loss is weighted by `step_loss_decay`**k.
+    step k's loss is weighted by `step_loss_decay`**k. Selected by `drafter.kind: eagle3`.
     """
 
+    kind: ClassVar[str] = "eagle3"
     ttt_length: int = 7
     step_loss_decay: float = 0.8
     # One decoder layer whose q/k/v read [embedding; hidden]: DeepSpec's Eagle3 has no other shape.
@@ -138,6 +150,11 @@ class Eagle3Config:
                  f"must be in (0, 1], got {self.step_loss_decay}")
         _require(self.num_draft_layers == 1, "num_draft_layers",
                  f"Eagle3 has exactly one draft layer, got {self.num_draft_layers}")
+
+    @property
+    def proposal_length(self) -> int:
+        """Drafts per round (γ)."""
+        return self.ttt_length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +213,7 @@ class TrainConfig:
     adam_b1: float = 0.9
     adam_b2: float = 0.95
     seed: int = 0
-    loss: LossConfig = LossConfig()
+    loss: LossConfig = LossConfig()  # DSpark/DFlash; Eagle3's loss is set by drafter.step_loss_decay
     log_every: int = 10
     checkpoint_every: int = 500
     keep_checkpoints: int = 3
@@ -215,16 +232,22 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """A whole run: target, drafter, device mesh (and training, when training)."""
+    """A whole run: target, drafter (DSpark/DFlash or Eagle3, by `drafter.kind`), device mesh (and
+    training, when training)."""
 
     target: TargetConfig
-    drafter: DrafterConfig = DrafterConfig()
+    drafter: DrafterConfig | Eagle3Config = DrafterConfig()
     mesh: MeshConfig = MeshConfig()
     train: TrainConfig = TrainConfig()
 
     def __post_init__(self):
-        _require(self.train.max_length > self.drafter.block_size, "train.max_length",
-                 f"{self.train.max_length} must exceed drafter.block_size {self.drafter.block_size}")
+        d = self.drafter
+        length_key = "block_size" if isinstance(d, DrafterConfig) else "ttt_length"
+        _require(self.train.max_length > d.proposal_length, "train.max_length",
+                 f"{self.train.max_length} must exceed drafter.{length_key} {d.proposal_length}")
+        if isinstance(d, Eagle3Config):
+            _require(self.target.num_taps > 0, "target.target_layer_ids",
+                     "an Eagle3 drafter fuses tapped target layers: name at least one")
 
 
 # ----------------------------------------------------------------------------- generic machinery
@@ -234,6 +257,21 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+def _kind(cls) -> str | None:
+    """The `kind` class variable of a config class that has one (see the module docstring)."""
+    if not dataclasses.is_dataclass(cls) or "kind" in {f.name for f in dataclasses.fields(cls)}:
+        return None
+    kind = getattr(cls, "kind", None)
+    return kind if isinstance(kind, str) else None
+
+
+def _kinds(args) -> dict[str, type]:
+    """{kind: class} of a union whose members all carry a kind (the first is the default), else {}."""
+    members = [a for a in args if a is not type(None)]
+    kinds = {_kind(a): a for a in members}
+    return kinds if None not in kinds and len(kinds) == len(members) else {}
+
+
 def _coerce(value: Any, tp, key: str) -> Any:
     """Checks `value` against the annotation `tp` and converts lists to tuples, ints to floats."""
     origin = typing.get_origin(tp)
@@ -241,6 +279,11 @@ def _coerce(value: Any, tp, key: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        kinds = _kinds(args)
+        if kinds and isinstance(value, Mapping):
+            kind = value.get("kind", next(iter(kinds)))
+            _require(kind in kinds, f"{key}.kind", f"expected one of {list(kinds)}, got {kind!r}")
+            return from_dict(kinds[kind], value, prefix=key)
         errors = []
         for arg in args:
             if arg is type(None):
@@ -292,12 +335,17 @@ def from_dict(cls, data: Mapping[str, Any], prefix: str = ""):
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     dotted = (lambda name: f"{prefix}.{name}") if prefix else (lambda name: name)
+    kind = _kind(cls)
+    if kind is not None and "kind" in data:
+        _require(data["kind"] == kind, dotted("kind"), f"expected {kind!r}, got {data['kind']!r}")
+        data = {k: v for k, v in data.items() if k != "kind"}
+    known = set(fields) | ({"kind"} if kind is not None else set())
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ConfigError(f"unknown config key {dotted(unknown[0])!r}"
                           + (f" (and {unknown[1:]})" if len(unknown) > 1 else "")
                           + f"; known keys{' under ' + repr(prefix) if prefix else ''}: "
-                          + ", ".join(sorted(fields)))
+                          + ", ".join(sorted(known)))
     kwargs = {}
     for name, field in fields.items():
         if name in data:
@@ -312,11 +360,13 @@ def from_dict(cls, data: Mapping[str, Any], prefix: str = ""):
 
 
 def to_dict(cfg) -> dict[str, Any]:
-    """The inverse of from_dict: plain YAML/JSON-friendly values (tuples become lists)."""
+    """The inverse of from_dict: plain YAML/JSON-friendly values (tuples become lists; a section
+    with a kind starts with its `kind` key)."""
 
     def plain(v):
         if dataclasses.is_dataclass(v):
-            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+            kind = {} if _kind(type(v)) is None else {"kind": _kind(type(v))}
+            return kind | {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
         if isinstance(v, (tuple, list)):
             return [plain(x) for x in v]
         return v

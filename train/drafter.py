@@ -1,7 +1,9 @@
-"""Train a DSpark (or DFlash) drafter against a frozen target.
+"""Train a DSpark (or DFlash, or Eagle3) drafter against a frozen target.
 
     python -m train.drafter --config configs/dspark-qwen3-8b.yaml train.target_dir=/ckpt/Qwen3-8B \
         train.data_file=data.jsonl train.workdir=runs/dspark-8b [more key=value overrides]
+
+The preset's `drafter.kind` (dspark, the default, or eagle3: `--config eagle3-qwen3-8b`) says which.
 
 Prints a progress line every `train.log_every` steps, writes TensorBoard scalars to WORKDIR/tb and
 orbax checkpoints to WORKDIR/checkpoints; rerunning the same command resumes exactly. SIGTERM or
@@ -18,13 +20,25 @@ from dspark_jax.config import load_config, preset_path
 from dspark_jax.errors import DSparkError
 
 
-def format_metrics(m: dict) -> str:
+def format_dspark_metrics(m: dict) -> str:
     parts = [f"loss {m['loss']:.4f}", f"ce {m['loss_ce']:.4f}", f"tv {m['loss_tv']:.4f}"]
     if "loss_confidence" in m:
         parts.append(f"conf {m['loss_confidence']:.4f}")
     acc = m["accept_rate"]
     parts.append(f"acc@0 {acc[0]:.3f} acc@{len(acc) - 1} {acc[-1]:.3f} tau {m['tau_prob']:.2f}")
     return " | ".join(parts)
+
+
+def format_eagle3_metrics(m: dict) -> str:
+    top1, acc = m["accuracy"], m["accept_rate"]
+    last = len(acc) - 1
+    return " | ".join([f"loss {m['loss']:.4f}", f"step0 {m['step_loss'][0]:.4f}",
+                       f"top1@0 {top1[0]:.3f} top1@{last} {top1[-1]:.3f}",
+                       f"acc@0 {acc[0]:.3f} acc@{last} {acc[-1]:.3f} tau {m['tau_probabilistic']:.2f} "
+                       f"(greedy {m['tau_greedy']:.2f})"])
+
+
+FORMATS = {"dspark": format_dspark_metrics, "eagle3": format_eagle3_metrics}
 
 
 def main(argv=None) -> int:
@@ -62,6 +76,7 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(preset_path(args.config), args.overrides)
         lead = jax.process_index() == 0
+        format_metrics = FORMATS[cfg.drafter.kind]
         writer = SummaryWriter(f"{cfg.train.workdir}/tb") if lead else None
 
         def on_step(s):

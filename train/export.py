@@ -1,4 +1,5 @@
-"""Export a drafter to a complete DeepSpec-format directory.
+"""Export a drafter (DSpark/DFlash, or Eagle3 from a training checkpoint) to a complete DeepSpec-format
+directory.
 
     python -m train.export --checkpoint runs/dspark-8b [--step N] --out exported/dspark-8b [--dtype bfloat16]
     python -m train.export --drafter tiny-dspark [--target tiny] --out exported/tiny-dspark
@@ -7,7 +8,8 @@ From an orbax training checkpoint (`--checkpoint`), or from a drafter directory 
 (`--drafter`; bundled drafters leave out the target's embedding and lm_head copies, which this puts
 back). The output directory (config.json + model.safetensors with the target's embedding and lm_head
 copied in, and the drafter's sts.json when it has one) loads in DeepSpec-format torch stacks and back
-here with `dspark_jax.formats.deepspec.load_drafter`.
+here with `dspark_jax.formats.deepspec.load_drafter` (an Eagle3 run's: `Qwen3Eagle3Model`, loaded by
+`dspark_jax.formats.eagle3.load_eagle3`).
 """
 
 import argparse
@@ -33,8 +35,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from dspark_jax import bundled
-    from dspark_jax.formats import deepspec
+    from dspark_jax.formats import deepspec, eagle3
     from dspark_jax.training import trainer
+
+    savers = {"dspark": deepspec.save_drafter, "eagle3": eagle3.save_eagle3}  # by drafter.kind
 
     try:
         if args.drafter:
@@ -54,8 +58,8 @@ def main(argv=None) -> int:
                 cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
                                                                          target_dir=args.target))
             _, target_params = trainer.load_target_for(cfg, mesh=None)
-            out = deepspec.save_drafter(params, cfg.target, cfg.drafter, target_params, args.out,
-                                        dtype=args.dtype)
+            out = savers[cfg.drafter.kind](params, cfg.target, cfg.drafter, target_params, args.out,
+                                           dtype=args.dtype)
             what = f"step {step} of {args.checkpoint}"
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -136,9 +136,10 @@ class TTTOutput:
     hidden: jax.Array  # [B,K,S,d] layer output of every step: behind its logits, fed to step k+1
 
 
-def ttt_forward(dparams, target_params, tcfg: TargetConfig, ecfg: Eagle3Config,
-                input_ids: jax.Array, attention_mask: jax.Array, taps: jax.Array) -> TTTOutput:
-    """K = ttt_length unrolled steps over every position at once, teacher-forced.
+def ttt_hidden(dparams, target_params, tcfg: TargetConfig, ecfg: Eagle3Config,
+               input_ids: jax.Array, attention_mask: jax.Array, taps: jax.Array) -> jax.Array:
+    """[B, K, S, d]: the layer output of K = ttt_length unrolled steps over every position at once,
+    teacher-forced.
 
     input_ids/attention_mask [B, S] (right-padded: the valid length is the mask's sum); taps
     [B, S, m*d] (target features). At step k position t is fed token t+1+k with its own step k-1
@@ -173,10 +174,21 @@ def ttt_forward(dparams, target_params, tcfg: TargetConfig, ecfg: Eagle3Config,
         out = layer_output(layer, tcfg, h, _ttt_attention(q, k0, v0, kd, vd, step, q_valid(step)))
         return (out, kd, vd), out
 
-    _, h_out = jax.lax.scan(step_fn, (h1, kd, vd), (jnp.arange(1, K), emb_kbsd[1:], pos_ks[1:]))
+    # Rematerialised in the backward pass: otherwise every step keeps its [B, n, S, S] attention
+    # probabilities for the gradient (gigabytes per sequence at S = 4096).
+    _, h_out = jax.lax.scan(jax.checkpoint(step_fn), (h1, kd, vd),
+                            (jnp.arange(1, K), emb_kbsd[1:], pos_ks[1:]))
     hidden = jnp.concatenate([h1[None], h_out], axis=0)  # [K,B,S,d]
-    logits = draft_logits(dp, target_params, tcfg, hidden)  # [K,B,S,V]
-    return TTTOutput(logits=jnp.moveaxis(logits, 0, 1), hidden=jnp.moveaxis(hidden, 0, 1))
+    return jnp.moveaxis(hidden, 0, 1)
+
+
+def ttt_forward(dparams, target_params, tcfg: TargetConfig, ecfg: Eagle3Config,
+                input_ids: jax.Array, attention_mask: jax.Array, taps: jax.Array) -> TTTOutput:
+    """`ttt_hidden` and the logits of every step: [B, K, S, V] (training computes them one step at
+    a time instead, `training.eagle3_loss.eagle3_train_loss`)."""
+    hidden = ttt_hidden(dparams, target_params, tcfg, ecfg, input_ids, attention_mask, taps)
+    logits = draft_logits(cast_compute(dparams, ecfg), target_params, tcfg, hidden)
+    return TTTOutput(logits=logits, hidden=hidden)
 
 
 # ----------------------------------------------------------------------------- inference (chain)

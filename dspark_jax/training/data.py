@@ -214,15 +214,18 @@ class BatchIterator:
 
     Each ``next()`` yields::
 
-        input_ids:   int32 [B_local, max_length]  (pad_id after each sequence)
-        loss_mask:   bool  [B_local, max_length]  (False on padding)
-        anchors:     int32 [B_local, num_anchors] (ascending; 0 on dummies)
-        anchor_keep: bool  [B_local, num_anchors]
+        input_ids:      int32 [B_local, max_length]  (pad_id after each sequence)
+        loss_mask:      bool  [B_local, max_length]  (False on padding)
+        attention_mask: bool  [B_local, max_length]  (True on the sequence, False on padding)
+        anchors:        int32 [B_local, num_anchors] (ascending; 0 on dummies)
+        anchor_keep:    bool  [B_local, num_anchors]
 
     with ``B_local = global_batch_size // process_count``. A global batch is the next
     ``global_batch_size`` slots of the epoch's permutation; process ``k`` takes its rows
     ``[k * B_local, (k + 1) * B_local)``. With ``drop_remainder`` an epoch ends before a partial
-    batch; without it the last batch is filled with padding rows (no loss, no kept anchor).
+    batch; without it the last batch is filled with padding rows (no loss, no kept anchor). With
+    ``num_anchors = 0`` (drafters trained on every position: Eagle3) there are no anchors and no
+    ``anchors``/``anchor_keep`` entries.
     """
 
     def __init__(
@@ -239,10 +242,10 @@ class BatchIterator:
         pad_id: int | None = None,
     ) -> None:
         n = len(dataset)
-        if global_batch_size < 1 or num_anchors < 1 or block_size < 1:
+        if global_batch_size < 1 or num_anchors < 0 or block_size < 1:
             raise ConfigError(
-                f"data: global_batch_size ({global_batch_size}), num_anchors ({num_anchors}) and "
-                f"block_size ({block_size}) must be >= 1"
+                f"data: global_batch_size ({global_batch_size}) and block_size ({block_size}) must be "
+                f">= 1, num_anchors ({num_anchors}) >= 0"
             )
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ConfigError(f"data: seed must be a non-negative int, got {seed!r}")
@@ -293,6 +296,7 @@ class BatchIterator:
         perm = self._permutation(self.epoch)
         input_ids = np.full((b, length), self.pad_id, dtype=np.int32)
         loss_mask = np.zeros((b, length), dtype=bool)
+        attention_mask = np.zeros((b, length), dtype=bool)
         anchors = np.zeros((b, self.num_anchors), dtype=np.int32)
         anchor_keep = np.zeros((b, self.num_anchors), dtype=bool)
         first_slot = self.position + self.process_index * b
@@ -304,10 +308,15 @@ class BatchIterator:
             ids, mask = self.dataset.input_ids[record], self.dataset.loss_masks[record]
             input_ids[row, : len(ids)] = ids
             loss_mask[row, : len(mask)] = mask
-            rng = np.random.default_rng([self.seed, self.epoch, slot, _ANCHOR_STREAM])
-            anchors[row], anchor_keep[row] = sample_anchors(mask, self.num_anchors, rng)
+            attention_mask[row, : len(ids)] = True
+            if self.num_anchors:
+                rng = np.random.default_rng([self.seed, self.epoch, slot, _ANCHOR_STREAM])
+                anchors[row], anchor_keep[row] = sample_anchors(mask, self.num_anchors, rng)
         self._advance()
-        return {"input_ids": input_ids, "loss_mask": loss_mask, "anchors": anchors, "anchor_keep": anchor_keep}
+        batch = {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention_mask}
+        if self.num_anchors:
+            batch.update(anchors=anchors, anchor_keep=anchor_keep)
+        return batch
 
     def _advance(self) -> None:
         """Move to the next global batch, rolling over to the next epoch when this one is done."""

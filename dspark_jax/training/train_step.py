@@ -1,13 +1,19 @@
 """The jitted drafter train step: frozen target forward, drafter forward/backward, AdamW update.
 
-The target runs once per sequence without gradient; its lm_head is applied only at the positions
-the blocks supervise (never a [batch, seq, vocab] tensor). Master weights are float32; the target
-and the drafter compute in their configured dtypes. Everything is sharded by the mesh: the batch over
+The target runs once per sequence without gradient. For DSpark/DFlash its lm_head is applied only
+at the positions the blocks supervise (never a [batch, seq, vocab] tensor); Eagle3's soft targets
+need the target's logits at every position (one [batch, seq, vocab] tensor in the target's dtype),
+and its loss takes the TTT steps one at a time. Master weights are float32; the target and the
+drafter compute in their configured dtypes. Everything is sharded by the mesh: the batch over
 (data, fsdp), parameters by their logical axes.
+
+What differs between kinds of drafter (`drafter.kind`) is one row of `KINDS`: the parameter spec,
+the loss and what the batches carry; the step, the optimizer and the trainer are shared.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -16,10 +22,12 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dspark_jax.config import Config
-from dspark_jax.models.drafter import drafter_spec, train_forward
-from dspark_jax.models.target import forward, lm_head
+from dspark_jax.config import Config, TargetConfig
+from dspark_jax.models import eagle3
+from dspark_jax.models.drafter import cast_compute, drafter_spec, train_forward
+from dspark_jax.models.target import TargetOutput, forward, lm_head, param_dtype
 from dspark_jax.params import init_params, map_infos, shardings
+from dspark_jax.training.eagle3_loss import eagle3_train_loss, ttt_position_mask
 from dspark_jax.training.losses import drafter_loss
 
 BATCH_AXES = ("data", "fsdp")
@@ -46,7 +54,7 @@ def make_optimizer(cfg: Config, total_steps: int) -> optax.GradientTransformatio
 
 def init_state(cfg: Config, optimizer, key: jax.Array, mesh: Mesh | None = None) -> TrainState:
     """Random drafter params (sharded on `mesh`) and a fresh optimizer state."""
-    params = init_params(drafter_spec(cfg.target, cfg.drafter), key, mesh)
+    params = init_params(drafter_params_spec(cfg), key, mesh)
     opt_state = jax.jit(optimizer.init)(params)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
     if mesh is None:
@@ -62,13 +70,19 @@ def state_shardings(state: TrainState):
     return jax.tree.map(lambda x: x.sharding, state)
 
 
-def loss_fn(dparams, target_params, batch, cfg: Config):
+def frozen_target(target_params, tcfg: TargetConfig, ids: jax.Array) -> TargetOutput:
+    """The target over whole sequences [B, L], without gradient and without logits."""
+    B, L = ids.shape
+    positions = jnp.broadcast_to(jnp.arange(L), (B, L))
+    return forward(jax.lax.stop_gradient(target_params), tcfg, ids, positions, compute_logits=False)
+
+
+def dspark_loss_fn(dparams, target_params, batch, cfg: Config):
     tcfg, dcfg = cfg.target, cfg.drafter
     ids = batch["input_ids"]
-    B, L = ids.shape
+    B = ids.shape[0]
     target_params = jax.lax.stop_gradient(target_params)
-    positions = jnp.broadcast_to(jnp.arange(L), (B, L))
-    out = forward(target_params, tcfg, ids, positions, compute_logits=False)
+    out = frozen_target(target_params, tcfg, ids)
     blocks = train_forward(dparams, target_params, tcfg, dcfg, ids, batch["loss_mask"], out.taps,
                            batch["anchors"], batch["anchor_keep"])
     _, N, T = blocks.labels.shape
@@ -76,6 +90,49 @@ def loss_fn(dparams, target_params, batch, cfg: Config):
     target_logits = lm_head(target_params, tcfg, aligned).reshape(B, N, T, -1)
     return drafter_loss(blocks.logits, blocks.conf_logits, target_logits, blocks.labels,
                         blocks.eval_mask, cfg.train.loss)
+
+
+def eagle3_loss_fn(dparams, target_params, batch, cfg: Config):
+    """Test-time training over whole sequences against the target's distributions (DESIGN §3b)."""
+    tcfg, ecfg = cfg.target, cfg.drafter
+    ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+    target_params = jax.lax.stop_gradient(target_params)
+    out = frozen_target(target_params, tcfg, ids)
+    target_logits = lm_head(target_params, tcfg, out.hidden).astype(param_dtype(tcfg))  # [B,L,V]
+    hidden = eagle3.ttt_hidden(dparams, target_params, tcfg, ecfg, ids, attention_mask, out.taps)
+    dp = cast_compute(dparams, ecfg)
+    position_mask = ttt_position_mask(batch["loss_mask"], attention_mask, ecfg.ttt_length)
+    return eagle3_train_loss(lambda h: eagle3.draft_logits(dp, target_params, tcfg, h), hidden,
+                             target_logits, position_mask, ecfg.step_loss_decay)
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterKind:
+    """What training needs to know about one kind of drafter."""
+
+    spec: Callable[[TargetConfig, Any], dict]  # ArrayInfo tree of the drafter's own weights
+    loss: Callable[..., tuple[jax.Array, dict]]  # (dparams, target_params, batch, cfg)
+    num_anchors: Callable[[Any], int]  # anchored blocks per sequence in its batches (0: none)
+
+
+KINDS = {
+    "dspark": DrafterKind(spec=drafter_spec, loss=dspark_loss_fn, num_anchors=lambda d: d.num_anchors),
+    "eagle3": DrafterKind(spec=eagle3.eagle3_spec, loss=eagle3_loss_fn, num_anchors=lambda d: 0),
+}
+
+
+def drafter_kind(cfg: Config) -> DrafterKind:
+    return KINDS[cfg.drafter.kind]
+
+
+def drafter_params_spec(cfg: Config) -> dict:
+    """ArrayInfo tree of the run's drafter, whichever its kind."""
+    return drafter_kind(cfg).spec(cfg.target, cfg.drafter)
+
+
+def loss_fn(dparams, target_params, batch, cfg: Config):
+    """(scalar loss, metrics) of the run's kind of drafter on one batch."""
+    return drafter_kind(cfg).loss(dparams, target_params, batch, cfg)
 
 
 def make_train_step(cfg: Config, optimizer, state_sharding=None

@@ -22,7 +22,6 @@ from dspark_jax.distributed import any_process
 from dspark_jax.errors import CheckpointError, ConfigError, DSparkError
 from dspark_jax.formats import hf_checkpoint
 from dspark_jax.formats.tokenizer import load_tokenizer
-from dspark_jax.models.drafter import drafter_spec
 from dspark_jax.models.target import target_spec
 from dspark_jax.params import abstract, count_params, init_params
 from dspark_jax.sharding import describe_mesh, make_mesh
@@ -30,6 +29,8 @@ from dspark_jax.training.data import BatchIterator, load_conversations, make_glo
 from dspark_jax.training.train_step import (
     TrainState,
     describe_params,
+    drafter_kind,
+    drafter_params_spec,
     init_state,
     make_optimizer,
     make_train_step,
@@ -88,11 +89,12 @@ def setup(cfg: Config) -> Setup:
         raise ConfigError(f"{tok_dir}: tokenizer has {tokenizer.vocab_size} tokens, more than "
                           f"target.vocab_size {cfg.target.vocab_size}")
     dataset = load_conversations(cfg.train.data_file, tokenizer, max_length=cfg.train.max_length,
-                                 min_length=cfg.drafter.block_size + 1,
+                                 min_length=cfg.drafter.proposal_length + 1,
                                  enable_thinking=cfg.train.enable_thinking,
                                  system_prompt=cfg.train.system_prompt)
     iterator = BatchIterator(dataset, global_batch_size=cfg.train.global_batch_size,
-                             num_anchors=cfg.drafter.num_anchors, block_size=cfg.drafter.block_size,
+                             num_anchors=drafter_kind(cfg).num_anchors(cfg.drafter),
+                             block_size=cfg.drafter.proposal_length,
                              seed=cfg.train.seed, process_index=jax.process_index(),
                              process_count=jax.process_count())
     total = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * iterator.steps_per_epoch))
@@ -124,6 +126,14 @@ def save_checkpoint(mngr: ocp.CheckpointManager, state: TrainState, iterator_sta
 
 def check_resumable(saved: dict, cfg: Config, where: str) -> None:
     """A resumed run must have the model it was saved with."""
+    try:  # keys added since the checkpoint was written take their defaults (`drafter.kind`: dspark)
+        saved = to_dict(from_dict(Config, saved))
+    except ConfigError:
+        pass  # compared as written: the differences below name the keys
+    was = saved.get("drafter", {}).get("kind", "dspark")
+    if was != cfg.drafter.kind:
+        raise ConfigError(f"{where}: cannot resume: the checkpoint's drafter.kind is {was!r}, the "
+                          f"config's {cfg.drafter.kind!r}")
     now = to_dict(cfg)
     diff = []
     for section in MODEL_SECTIONS:
@@ -155,7 +165,8 @@ def restore_checkpoint(mngr: ocp.CheckpointManager, template: TrainState, cfg: C
 
 
 def load_drafter_params(workdir: str | Path, step: int | None = None):
-    """(Config, drafter params, step) from a training workdir's orbax checkpoint."""
+    """(Config, drafter params, step) from a training workdir's orbax checkpoint (`cfg.drafter` says
+    the drafter's kind)."""
     directory = Path(workdir).absolute() / "checkpoints"
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: no checkpoints (is {workdir} a training workdir?)")
@@ -168,7 +179,7 @@ def load_drafter_params(workdir: str | Path, step: int | None = None):
         config=ocp.args.JsonRestore())).config)
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-                          abstract(drafter_spec(cfg.target, cfg.drafter)))
+                          abstract(drafter_params_spec(cfg)))
     restored = mngr.restore(step, args=ocp.args.Composite(
         state=ocp.args.PyTreeRestore(
             partial_restore=True, item={"params": params},
@@ -206,9 +217,9 @@ def run(cfg: Config, *, log: Callable[[str], None] = lambda s: None,
     if len(s.data_errors) > 5:
         log(f"... and {len(s.data_errors) - 5} more bad records")
     state = init_state(cfg, s.optimizer, jax.random.key(cfg.train.seed), s.mesh)
-    log(f"drafter: {count_params(state.params) / 1e6:.2f}M params; target: "
+    log(f"drafter ({cfg.drafter.kind}): {count_params(state.params) / 1e6:.2f}M params; target: "
         f"{count_params(s.target_params) / 1e6:.2f}M params (frozen)")
-    for line in describe_params(drafter_spec(cfg.target, cfg.drafter), s.mesh):
+    for line in describe_params(drafter_params_spec(cfg), s.mesh):
         log("  " + line)
     shard = state_shardings(state)
     mngr = checkpoint_manager(cfg)
