@@ -2,7 +2,7 @@
 BENCHMARKS.md with its figures.
 
     python -m serve.bench reproduce [--out BENCHMARKS.md] [--figures benchmarks/figures]
-        [--work runs/reproduce] [--levels 1,2,4,8,16,32] [--thresholds 0.1,0.3,0.5,0.7,0.9]
+        [--work runs/reproduce] [--levels 1,2,4,8,16] [--fresh] [--thresholds 0.1,0.3,0.5,0.7,0.9]
         [--max-new-tokens 96] [--max-len 512] [--repeats 3] [--requests-per-slot 3] [--slots 16]
         [--dflash-b15 DIR] [--train-steps 800] [--no-compile-cache]
 
@@ -61,7 +61,7 @@ def add_parser(sub) -> None:
     r.add_argument("--out", default="BENCHMARKS.md")
     r.add_argument("--figures", default="benchmarks/figures", help="directory for the PNGs")
     r.add_argument("--work", default="runs/reproduce", help="raw results, the trained baseline")
-    r.add_argument("--levels", default="1,2,4,8,16,32", help="concurrencies")
+    r.add_argument("--levels", default="1,2,4,8,16", help="concurrencies")
     r.add_argument("--thresholds", default="0.1,0.3,0.5,0.7,0.9")
     r.add_argument("--max-new-tokens", type=int, default=96)
     r.add_argument("--max-len", type=int, default=512, help="context positions per slot")
@@ -73,6 +73,8 @@ def add_parser(sub) -> None:
     r.add_argument("--train-steps", type=int, default=DEMO_DRAFTER_STEPS,
                    help="steps of the block-15 DFlash baseline (the bundled drafters' budget)")
     r.add_argument("--models", default=",".join(MODELS), help="subset of " + ", ".join(MODELS))
+    r.add_argument("--fresh", action="store_true",
+                   help="measure the concurrency sweep again even when WORK holds one with these settings")
     r.add_argument("--no-compile-cache", action="store_true")
     r.add_argument("--seed", type=int, default=0)
 
@@ -479,6 +481,27 @@ def render(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def reusable(path: Path, cargs) -> dict | None:
+    """A concurrency report already in WORK measured with these settings at (at least) these
+    levels, cut to them; None when there is none (a long sweep that stopped keeps what it measured
+    up to the level it reached, written after every level)."""
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text())
+    wanted = {"max_new_tokens": cargs.max_new_tokens, "repeats": cargs.repeats,
+              "requests_per_slot": cargs.requests_per_slot, "temperatures": cargs.temperatures,
+              "schedulers": cargs.schedulers, "max_len": cargs.max_len,
+              "drafter": str(Path(cargs.drafter).resolve()), "ignore_eos": cargs.ignore_eos}
+    same = all(saved.get(key) == value for key, value in wanted.items())
+    measured = {r["level"] for r in saved.get("rows", [])}
+    if not same or not set(cargs.levels) <= measured:
+        return None
+    saved["rows"] = [r for r in saved["rows"] if r["level"] in cargs.levels]
+    saved["ratios"] = [q for q in saved["ratios"] if q["level"] in cargs.levels]
+    saved["levels"] = list(cargs.levels)
+    return saved
+
+
 def main(args, argv: list[str]) -> int:
     command = shlex.join(["python", "-m", "serve.bench", *argv])
     problems = check_args(args)
@@ -504,6 +527,11 @@ def main(args, argv: list[str]) -> int:
             stages.append({"stage": name, "seconds": round(time.perf_counter() - t0, 1)})
             return value
 
+        def keep(key, value):  # after every stage, so that a run that dies keeps what it measured
+            res[key] = value
+            (work / "reproduce.partial.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+            return value
+
         drafters = drafter_dirs(args, stages)
         res["drafters"] = drafters
         models = Models(args)
@@ -511,12 +539,13 @@ def main(args, argv: list[str]) -> int:
                                        if line.strip()) for d in DOMAINS}
         if args.limit:
             res["prompt_counts"] = {d: min(n, args.limit) for d, n in res["prompt_counts"].items()}
-        res["acceptance"], kept = stage("acceptance", acceptance, models, drafters, args)
+        acc, kept = stage("acceptance", acceptance, models, drafters, args)
+        keep("acceptance", acc)
         plot_positions(res["acceptance"], list(drafters), figures / "positions.png")
-        res["calibration"] = stage("calibration", calibration_stage, kept, figures, args)
+        keep("calibration", stage("calibration", calibration_stage, kept, figures, args))
         if "dspark-b7" in drafters:
             res["threshold_model"] = "DSpark block 7 (tiny-dspark, calibrated)"
-            res["threshold"] = stage("threshold", threshold_stage, models, drafters["dspark-b7"], args)
+            keep("threshold", stage("threshold", threshold_stage, models, drafters["dspark-b7"], args))
             plot_threshold(res["threshold"], figures / "threshold.png", "tiny-dspark")
         del models, kept
         if "dspark-b7" in drafters:
@@ -531,8 +560,15 @@ def main(args, argv: list[str]) -> int:
             if args.no_compile_cache:
                 bargs.append("--no-compile-cache")
             cargs = bench.parse_args(bargs)
-            res["concurrency"] = stage("concurrency", bench.concurrency, cargs,
-                                       shlex.join(["python", "-m", "serve.bench", *bargs]))
+            saved = None if args.fresh else reusable(work / "concurrency" / "concurrency.json", cargs)
+            if saved:
+                print(f"concurrency: reusing {work / 'concurrency'} (the same settings; --fresh to "
+                      "measure again)", flush=True)
+                res["concurrency"] = saved
+                bench.write(saved, work / "concurrency")
+            else:
+                res["concurrency"] = stage("concurrency", bench.concurrency, cargs,
+                                           shlex.join(["python", "-m", "serve.bench", *bargs]))
             for png in ("throughput.png", "pareto.png"):
                 shutil.copy2(work / "concurrency" / png, figures / png)
     except DSparkError as e:

@@ -80,3 +80,29 @@ def test_acceptance_by_position_counts_as_the_engine_tally_does():
     assert reached.tolist() == [6, 5, 3, 1] and accepted.tolist() == [5, 4, 2, 1]
     np.testing.assert_allclose(accepted / reached, tally.summary()["conditional_acceptance"])
     assert np.mean(taus) == tally.summary()["tau"]
+
+
+def test_a_saved_sweep_is_reused_only_for_the_same_settings(tmp_path):
+    import json
+
+    from serve import bench
+
+    def cargs(*extra):
+        return bench.parse_args(["concurrency", "--drafter", "tiny-dspark", "--out", str(tmp_path),
+                                 "--temperatures", "0", "--max-len", "512", "--max-new-tokens", "96",
+                                 "--repeats", "3", "--requests-per-slot", "3", *extra])
+
+    saved = cargs("--levels", "1,16")
+    rows = [_conc_row(c, 0.0, s, 100.0) for c in (1, 16) for s in ("plain", "async")]
+    report = {"max_new_tokens": 96, "repeats": 3, "requests_per_slot": 3, "temperatures": [0.0],
+              "schedulers": saved.schedulers, "max_len": 512, "drafter": saved.drafter,
+              "ignore_eos": False, "levels": [1, 16], "rows": rows,
+              "ratios": [{"level": c, "temperature": 0.0} for c in (1, 16)]}
+    path = tmp_path / "concurrency.json"
+    assert reproduce.reusable(path, saved) is None  # nothing saved yet
+    path.write_text(json.dumps(report))
+    cut = reproduce.reusable(path, cargs("--levels", "1"))
+    assert cut["levels"] == [1] and {r["level"] for r in cut["rows"]} == {1} and len(cut["ratios"]) == 1
+    assert reproduce.reusable(path, cargs("--levels", "1,16,32")) is None  # a level not measured
+    assert reproduce.reusable(path, cargs("--levels", "1", "--repeats", "2")) is None
+    assert reproduce.reusable(path, cargs("--levels", "1", "--ignore-eos")) is None
