@@ -34,6 +34,7 @@ def test_demo_models_builds_and_resumes(tmp_path, capsys):
     assert len(json.loads((out / "demo_models.json").read_text())["runs"]) == 2
 
     # train.bundle: the same models, the drafters without the target's copies, loading as before
+    import jax
     import numpy as np
 
     from dspark_jax.formats.deepspec import SHARED_KEYS, load_pair
@@ -52,8 +53,9 @@ def test_demo_models_builds_and_resumes(tmp_path, capsys):
         assert not set(SHARED_KEYS) & set(CheckpointFiles(into / "drafters" / name).keys())
         *_, params = load_pair(into / "target", into / "drafters" / name)
         *_, reference = load_pair(out / "target", out / "drafters" / name)
-        for key in reference:
-            np.testing.assert_array_equal(np.asarray(params[key]), np.asarray(reference[key]))
+        assert jax.tree.structure(params) == jax.tree.structure(reference)
+        for mine, ref in zip(jax.tree.leaves(params), jax.tree.leaves(reference)):
+            np.testing.assert_array_equal(np.asarray(mine), np.asarray(ref))
     assert not (tmp_path / "bundle.partial").exists()
     assert bundle.main(["--from", str(tmp_path / "nowhere"), "--into", str(into)]) == 2
     assert "missing (run train.demo_models first)" in capsys.readouterr().err
