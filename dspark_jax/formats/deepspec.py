@@ -174,25 +174,33 @@ def check_target_copies(files: CheckpointFiles, target_params, tcfg: TargetConfi
             warnings.warn(msg, stacklevel=3)
 
 
-def save_drafter(dparams, tcfg: TargetConfig, dcfg: DrafterConfig, target_params,
-                 out_dir: str | Path, *, dtype: str | None = None) -> Path:
-    """Writes a DeepSpec-format drafter directory (with the target's embedding and head copies)."""
+def write_drafter_dir(out_dir: str | Path, dparams, key_map: list[TensorMap], tcfg: TargetConfig,
+                      target_params, hf_config: dict, dtype: str) -> Path:
+    """A DeepSpec-format directory: model.safetensors (the target's embedding, the drafter's own
+    tensors by `key_map`, the target's lm_head, all in `dtype`) and config.json (`hf_config`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    np_dtype = torch_dtype(dtype or dcfg.dtype)
+    np_dtype = torch_dtype(dtype)
 
     def tensors():
         copies = _target_copies(target_params, tcfg)
         yield "embed_tokens.weight", copies["embed_tokens.weight"].astype(np_dtype)
-        yield from iter_torch_tensors(dparams, drafter_key_map(tcfg, dcfg), np_dtype)
+        yield from iter_torch_tensors(dparams, key_map, np_dtype)
         yield "lm_head.weight", np.ascontiguousarray(copies["lm_head.weight"]).astype(np_dtype)
 
     save_dir(out, tensors(), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    return out
+
+
+def save_drafter(dparams, tcfg: TargetConfig, dcfg: DrafterConfig, target_params,
+                 out_dir: str | Path, *, dtype: str | None = None) -> Path:
+    """Writes a DeepSpec-format drafter directory (with the target's embedding and head copies)."""
     hf = drafter_config_to_hf(tcfg, dcfg)
     if dtype:
         hf.update(dtype=dtype, torch_dtype=dtype)
-    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    return out
+    return write_drafter_dir(out_dir, dparams, drafter_key_map(tcfg, dcfg), tcfg, target_params, hf,
+                             dtype or dcfg.dtype)
 
 
 def load_pair(target_dir: str | Path, drafter_dir: str | Path | None, mesh: Mesh | None = None):

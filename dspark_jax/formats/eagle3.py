@@ -11,19 +11,17 @@ projections of input width 2d, plus `layers.0.hidden_norm.weight`.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
-import numpy as np
 from jax.sharding import Mesh
 
 from dspark_jax.config import Eagle3Config, TargetConfig, from_dict
 from dspark_jax.errors import CheckpointError, ConfigError, DSparkError
 from dspark_jax.formats.deepspec import (
     SHARED_KEYS,
-    _target_copies,
     check_target_copies,
     target_fit_problems,
+    write_drafter_dir,
 )
 from dspark_jax.formats.hf_checkpoint import (
     TensorMap,
@@ -31,13 +29,11 @@ from dspark_jax.formats.hf_checkpoint import (
     _transpose,
     check_tensors,
     config_to_hf,
-    iter_torch_tensors,
     layer_key_map,
     load_tensors,
     read_json,
-    torch_dtype,
 )
-from dspark_jax.formats.safetensors_io import CheckpointFiles, save_dir
+from dspark_jax.formats.safetensors_io import CheckpointFiles
 from dspark_jax.models.eagle3 import eagle3_spec, layer_config
 
 ARCHITECTURE = "Qwen3Eagle3Model"
@@ -128,22 +124,11 @@ def load_eagle3(directory: str | Path, tcfg: TargetConfig, target_params=None, *
 def save_eagle3(dparams, tcfg: TargetConfig, ecfg: Eagle3Config, target_params, out_dir: str | Path,
                 *, dtype: str | None = None, target_name_or_path: str | None = None) -> Path:
     """Writes a DeepSpec-format Eagle3 directory (with the target's embedding and head copies)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    np_dtype = torch_dtype(dtype or ecfg.dtype)
-
-    def tensors():
-        copies = _target_copies(target_params, tcfg)
-        yield "embed_tokens.weight", copies["embed_tokens.weight"].astype(np_dtype)
-        yield from iter_torch_tensors(dparams, eagle3_key_map(tcfg, ecfg), np_dtype)
-        yield "lm_head.weight", np.ascontiguousarray(copies["lm_head.weight"]).astype(np_dtype)
-
-    save_dir(out, tensors(), metadata={"format": "pt"})
     hf = eagle3_config_to_hf(tcfg, ecfg, target_name_or_path)
     if dtype:
         hf.update(dtype=dtype, torch_dtype=dtype)
-    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    return out
+    return write_drafter_dir(out_dir, dparams, eagle3_key_map(tcfg, ecfg), tcfg, target_params, hf,
+                             dtype or ecfg.dtype)
 
 
 def load_eagle3_pair(target_dir: str | Path, drafter_dir: str | Path, mesh: Mesh | None = None):
