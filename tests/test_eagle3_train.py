@@ -14,7 +14,7 @@ from dspark_jax.errors import ConfigError
 from dspark_jax.formats import eagle3 as eagle3_format
 from dspark_jax.training import trainer
 from dspark_jax.training.eagle3_loss import eagle3_loss, eagle3_train_loss, ttt_target_probs
-from tests.test_train import cli, make_cfg, overrides, train
+from tests.test_train import check_resume_is_bit_exact, cli, make_cfg, overrides, train
 from tests.test_train_sharding import one_step
 
 
@@ -36,17 +36,8 @@ def test_training_lowers_loss_and_raises_accuracy(tiny_target, tmp_path):
 
 
 def test_resume_is_bit_exact(tiny_target, tmp_path):
-    extra = ("train.max_steps=8", "train.log_every=1", "train.checkpoint_every=3")
-    straight, _ = train(eagle3_cfg(tiny_target, tmp_path / "a", *extra))
-    cfg_b = eagle3_cfg(tiny_target, tmp_path / "b", *extra)
-    first, summary = train(cfg_b, stop_after=4)
-    assert summary["stopped"] == "signal" and summary["step"] == 4
-    resumed, summary = train(cfg_b)
-    assert summary["step"] == 8 and sorted(resumed) == list(range(5, 9))
-    for step in range(1, 9):
-        got = first.get(step) or resumed[step]
-        assert got["loss"] == straight[step]["loss"], step
-        assert got["accept_rate"] == straight[step]["accept_rate"], step
+    check_resume_is_bit_exact(lambda work, *extra: eagle3_cfg(tiny_target, work, *extra), tmp_path,
+                              steps=8, every=3, stop=4)
 
 
 def test_cli_train_export_round_trip_and_kind_checks(tiny_target, tmp_path):

@@ -61,18 +61,25 @@ def test_training_lowers_loss_and_raises_acceptance(tiny_target, tmp_path, prese
         assert abs(seen[40]["confidence_bias"]) < 0.5
 
 
-def test_resume_is_bit_exact(tiny_target, tmp_path):
-    extra = ("train.max_steps=12", "train.log_every=1", "train.checkpoint_every=4")
-    straight, _ = train(make_cfg(tiny_target, tmp_path / "a", *extra))
-    cfg_b = make_cfg(tiny_target, tmp_path / "b", *extra)
-    first, summary = train(cfg_b, stop_after=6)
-    assert summary["stopped"] == "signal" and summary["step"] == 6
+def check_resume_is_bit_exact(make, tmp_path, steps: int, every: int, stop: int) -> None:
+    """A run stopped at `stop` and resumed logs the losses of an uninterrupted one, step for step;
+    `make(workdir, *overrides)` builds the config."""
+    extra = (f"train.max_steps={steps}", "train.log_every=1", f"train.checkpoint_every={every}")
+    straight, _ = train(make(tmp_path / "a", *extra))
+    cfg_b = make(tmp_path / "b", *extra)
+    first, summary = train(cfg_b, stop_after=stop)
+    assert summary["stopped"] == "signal" and summary["step"] == stop
     resumed, summary = train(cfg_b)
-    assert summary["step"] == 12 and sorted(resumed) == list(range(7, 13))
-    for step in range(1, 13):
+    assert summary["step"] == steps and sorted(resumed) == list(range(stop + 1, steps + 1))
+    for step in range(1, steps + 1):
         got = first.get(step) or resumed[step]
         assert got["loss"] == straight[step]["loss"], step
         assert got["accept_rate"] == straight[step]["accept_rate"], step
+
+
+def test_resume_is_bit_exact(tiny_target, tmp_path):
+    check_resume_is_bit_exact(lambda work, *extra: make_cfg(tiny_target, work, *extra), tmp_path,
+                              steps=12, every=4, stop=6)
 
 
 def test_changed_model_config_refuses_to_resume(tiny_target, tmp_path):
