@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.decoding.schedulers import (
+    BucketTable,
     SchedulerConfig,
     admit_first,
     candidate_order,
@@ -370,3 +371,34 @@ def test_async_decision_stands_longer_while_it_repeats():
     while total < 400:
         total, expected, hold = total + hold, expected + 1, min(2 * hold, policies.REDECIDE_MAX)
     assert len(searches) == expected
+
+
+def test_choose_bucket_overhead_lowers_the_price_of_verifying_more():
+    """A cost every round pays beyond its profiled time makes the bigger bucket worth it."""
+    table = BucketTable({2: 1.0, 5: 4.0}, {1: 1.0})
+    est = np.full((1, 4), 0.5)  # bucket 5: 1 + 2 tokens; bucket 2: 1.5; plain: 1
+    assert table.choose(est, 1) == ("spec", 2)  # 1.5 / 1 beats 3 / 4 and 1 / 1
+    assert table.choose(est, 1, overhead=4.0) == ("spec", 5)  # 3 / 8 beats 1.5 / 5 and 1 / 5
+
+
+def test_async_measures_the_overhead_between_dispatches():
+    """The async policy's overhead: the wall time between dispatches beyond the profiled round,
+    averaged; idle gaps are clipped and a new generate call does not count the time since the last."""
+    from dspark_jax.decoding import policies
+
+    rounds, now = [], [0.0]
+    policy = policies.AsyncPolicy(_cadence_engine(1.0, rounds))
+    policy.clock = lambda: now[0]
+    policy.starting()
+    for _ in range(200):
+        policy.dispatch([0], lambda: [4])
+        now[0] += 1.0 + 0.25  # the profile says 1.0 for every bucket
+    assert policy.overhead == pytest.approx(0.25, rel=1e-6)
+    now[0] += 1000.0  # idle: clipped to OVERHEAD_CAP x the round
+    policy.dispatch([0], lambda: [4])
+    assert policy.overhead == pytest.approx(0.9 * 0.25 + 0.1 * policy.OVERHEAD_CAP, rel=1e-6)
+    before = policy.overhead
+    policy.starting()
+    now[0] += 1000.0
+    policy.dispatch([0], lambda: [4])  # the first of a run: nothing to measure yet
+    assert policy.overhead == before

@@ -289,6 +289,7 @@ class Engine:
             for req in requests:
                 self.check_request(req)
         source, queue, exhausted = iter(requests), deque(), False
+        self.policy.starting()
         free = list(range(self.R))[::-1]
         live: dict[int, Result] = {}  # slots the host has not seen finish (a superset of active)
         serving: dict[int, Request] = {}

@@ -9,6 +9,8 @@ the host loop.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from dspark_jax.decoding.schedulers import BucketTable
@@ -47,6 +49,9 @@ class Policy:
         verify, as far as the host knows. Returns (output, kind, bucket)."""
         F = bucket_for(len(live), self.engine.plain_buckets)
         return self.engine.run_round(("plain", F)), "plain", F
+
+    def starting(self) -> None:
+        """A `generate` call begins (the time since the last one was idle)."""
 
     def admitted(self, slot: int) -> None:
         """A new request took `slot`."""
@@ -93,10 +98,19 @@ class AsyncPolicy(Policy):
     tokens rounds really commit even when the confidence head is miscalibrated; the ranking
     inside a round still uses the round's own (calibrated) survival. Everything here comes from
     rounds already committed, so it cannot bias the output.
+
+    The profile times rounds alone; a running engine also pays, between rounds, the prefills of
+    the requests it admits and its host loop. That overhead is measured as it runs: the time
+    between consecutive dispatches (one round in flight, so one round's wall time) minus the
+    profiled time of the round dispatched, clipped to [0, OVERHEAD_CAP x that time] (an idle gap
+    is not a cost of the round) and averaged with weight OVERHEAD_DECAY per round; the search adds
+    it to every bucket. Without it the profile overstates how much more a bigger bucket costs.
     """
 
     DECAY = 0.98
     PRIOR = 8.0
+    OVERHEAD_DECAY = 0.9
+    OVERHEAD_CAP = 2.0
 
     def __init__(self, engine):
         super().__init__(engine)
@@ -114,6 +128,9 @@ class AsyncPolicy(Policy):
         self.probing = False  # the last decision was a probe: it stands one round
         self.table = None  # (profile, BucketTable of the compiled buckets)
         self.pending = []  # round outputs read since the last decision
+        self.clock = time.perf_counter
+        self.overhead = 0.0  # measured seconds per round beyond the profile (see the docstring)
+        self.dispatched = None  # (clock, profiled seconds) of the last dispatch
 
     def programs(self):
         return super().programs() + [("topk", F) for F in self.engine.spec_buckets] + [("flush",)]
@@ -134,12 +151,25 @@ class AsyncPolicy(Policy):
             self._decide(live, rooms)
         self.age += 1
         kind, F, _ = self.last
+        self._time_round(e.profile.plain[F] if kind == "plain" else e.profile.spec[F])
         if kind == "plain":
             self.since_spec += 1
             self.plain_run += 1
             return e.run_round(("plain", F)), "plain", F
         self.since_spec = self.plain_run = 0
         return e.run_round(("topk", F)), "spec", F
+
+    def starting(self):
+        self.dispatched = None
+
+    def _time_round(self, profiled: float) -> None:
+        """Folds the wall time since the last dispatch into the overhead estimate."""
+        now = self.clock()
+        if self.dispatched is not None:
+            then, expected = self.dispatched
+            extra = min(max(now - then - expected, 0.0), self.OVERHEAD_CAP * expected)
+            self.overhead = self.OVERHEAD_DECAY * self.overhead + (1 - self.OVERHEAD_DECAY) * extra
+        self.dispatched = (now, profiled)
 
     def _decide(self, live, rooms) -> None:
         probe = self.since_spec >= self.probe_every
@@ -163,7 +193,8 @@ class AsyncPolicy(Policy):
         est = np.minimum.accumulate(np.minimum(est, 1.0), axis=1)  # survival never rises along j
         est[np.arange(est.shape[1]) >= np.asarray(rooms)[:, None]] = 0.0
         # A proposal at least every PROBE_EVERY rounds, so that the estimates stay current.
-        return self.table[1].choose(est, len(live), plain=self.since_spec < self.probe_every)
+        return self.table[1].choose(est, len(live), plain=self.since_spec < self.probe_every,
+                                    overhead=self.overhead)
 
     def admitted(self, slot):
         self._absorb()  # rounds read so far may still describe the slot's previous request
