@@ -240,6 +240,7 @@ def concurrency(args, command: str) -> dict:
                       f"budget {m['mean_budget']:.2f}", file=sys.stderr, flush=True)
         del engines, engine
         gc.collect()
+        jax.clear_caches()  # the level's executables: a long sweep must not keep every level's
         report["ratios"] = ratios(report["rows"])
         write(report, out)  # after every level, so a long run keeps what it measured
     return report
