@@ -212,7 +212,7 @@ def _engine(models, scheduler, slots, **kwargs):
                   seed=0, **kwargs)
 
 
-@pytest.mark.parametrize("scheduler", [SchedulerConfig("fixed", 4), SchedulerConfig("threshold", 0, 0.5)],
+@pytest.mark.parametrize("scheduler", [SchedulerConfig("fixed", 4), SchedulerConfig("threshold", 0, 0.4)],
                          ids=scheduler_id)
 def test_sampling_matches_target_distribution(models, exact_logits, scheduler):
     """Chi-square goodness of fit (p > 1e-3) of the first three generated tokens of N identical
@@ -227,8 +227,10 @@ def test_sampling_matches_target_distribution(models, exact_logits, scheduler):
     assert m["compilations_after_warmup"] == 0, m
     if scheduler.kind == "fixed":
         assert all(r.verified[0] == 2 for r in results)  # fixed(4) clipped to the budget
-    else:  # the stand-in confidences vary: requests verify different numbers of drafts
-        share = np.bincount([r.verified[0] for r in results], minlength=3) / len(results)
+    else:  # the stand-in confidences vary: rounds verify different numbers of drafts
+        assert 0.0 < m["mean_verified"] < engine.max_verify, m
+        verified = [v for r in results for v in r.verified]
+        share = np.bincount(verified, minlength=3) / len(verified)
         assert np.sum(share > 0.02) >= 2, share
     assert pv > lossless.PASS_P, (pv, stat, bins)
 
