@@ -198,6 +198,10 @@ class TrainConfig:
     tokenizer_dir: str = ""  # "" = target_dir
     workdir: str = "runs/drafter"
     max_length: int = 4096
+    # > 0: pad each batch only to its longest record rounded up to this multiple (at most
+    # max_length), not to max_length: the same losses at a cost that follows the data's lengths,
+    # one compiled step per distinct length (BatchIterator). 0: every batch max_length long.
+    pad_to_multiple: int = 0
     # Handed to the chat template when rendering training conversations; None = not passed (DeepSpec).
     enable_thinking: bool | None = None
     # Prepended to training conversations without their own system message; None = the template
@@ -224,6 +228,7 @@ class TrainConfig:
                      "keep_checkpoints"):
             _require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         _require(self.max_steps >= 0, "max_steps", f"must be >= 0, got {self.max_steps}")
+        _require(self.pad_to_multiple >= 0, "pad_to_multiple", f"must be >= 0, got {self.pad_to_multiple}")
         _require(self.epochs > 0 or self.max_steps > 0, "epochs", "set epochs > 0 or max_steps > 0")
         _require(self.learning_rate > 0, "learning_rate", f"must be positive, got {self.learning_rate}")
         _require(0 <= self.warmup_ratio < 1, "warmup_ratio", f"must be in [0, 1), got {self.warmup_ratio}")

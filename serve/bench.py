@@ -201,7 +201,7 @@ def concurrency(args, command: str) -> dict:
                          "count": jax.device_count()},
               "target": str(Path(args.target).resolve()), "calibration": sts_from or None,
               "drafter": str(Path(args.drafter).resolve()) if dcfg else "none",
-              "block_size": dcfg.block_size if dcfg else None, "max_len": max_len,
+              "block_size": dcfg.proposal_length if dcfg else None, "max_len": max_len,
               "max_new_tokens": args.max_new_tokens, "requests_per_slot": args.requests_per_slot,
               "repeats": args.repeats, "ignore_eos": args.ignore_eos,
               "prompt_files": args.prompts, "prompts": len(prompts), "bad_records": bad, "levels": args.levels,

@@ -57,7 +57,8 @@ def add_drafter_flag(ap: argparse.ArgumentParser, *, none: bool = True) -> None:
     """--drafter: a DeepSpec directory or a bundled name (default: the bundled drafter when the
     target is the bundled one; otherwise it must be given)."""
     ap.add_argument("--drafter", default=None,
-                    help="DeepSpec-format drafter directory" + (", 'none' (plain decoding)" if none
+                    help="DeepSpec-format drafter directory (DSpark/DFlash, or Eagle3: "
+                         "architectures Qwen3Eagle3Model)" + (", 'none' (plain decoding)" if none
                                                                 else "")
                     + f", or a bundled drafter's name ({', '.join(bundled.DRAFTERS)}); default "
                       f"{DEFAULT_DRAFTER} with the bundled target")
@@ -131,7 +132,8 @@ def make_mesh(args):
 
 def load_models(args, mesh):
     """(tcfg, target params, dcfg | None, drafter params | None, calibration temperatures | None,
-    where the calibration came from)."""
+    where the calibration came from). The drafter is DSpark/DFlash or Eagle3, as its config.json
+    says (`deepspec.load_pair`)."""
     from dspark_jax.decoding.calibration import load_sts
     from dspark_jax.formats.deepspec import load_pair
 
@@ -141,16 +143,17 @@ def load_models(args, mesh):
                                                              tcfg.dtype), tcfg, tparams, dcfg, dparams)
     if dcfg is None:
         return tcfg, tparams, None, None, None, ""
-    if getattr(args, "verify_len", 0) > dcfg.block_size:
-        raise DSparkError(f"--verify-len {args.verify_len} exceeds the drafter's block size "
-                          f"{dcfg.block_size}")
+    gamma = dcfg.proposal_length  # DSpark: the block size; Eagle3: the chain's ttt_length
+    if getattr(args, "verify_len", 0) > gamma:
+        raise DSparkError(f"--verify-len {args.verify_len} exceeds the drafter's "
+                          f"{'block size' if dcfg.kind == 'dspark' else 'chain length'} {gamma}")
     sts_arg = getattr(args, "sts", "none")
     if sts_arg.lower() == "none":
         return tcfg, tparams, dcfg, dparams, None, ""
     path = Path(sts_arg) if sts_arg else Path(drafter) / "sts.json"
     if not sts_arg and not path.is_file():
         return tcfg, tparams, dcfg, dparams, None, ""
-    return tcfg, tparams, dcfg, dparams, load_sts(path, dcfg.block_size), str(path)
+    return tcfg, tparams, dcfg, dparams, load_sts(path, gamma), str(path)
 
 
 def compute_dtype(flag: str, stored: str) -> str:

@@ -151,8 +151,10 @@ def main(argv=None) -> int:
             print(f"error: {args.prompts}: no record could be decoded ({len(errors)} bad)",
                   file=sys.stderr)
             return 1
+        gamma = dcfg.proposal_length if dcfg else 0
+        drafts = f"block {gamma}" if dcfg is None or dcfg.kind == "dspark" else f"Eagle3 chain {gamma}"
         mode = "plain target decoding" if dcfg is None else (
-            f"speculative, block {dcfg.block_size}, {scheduler.describe(dcfg.block_size)}"
+            f"speculative, {drafts}, {scheduler.describe(gamma)}"
             + (f", calibrated by {sts_from}" if sts_from else ""))
         print(f"{len(requests)} requests, {mode}, {args.slots} slots x {max_len} positions; "
               f"sampling by default: temperature {defaults.temperature:g}, top-p "

@@ -4,13 +4,14 @@ BENCHMARKS.md with its figures.
     python -m serve.bench reproduce [--out BENCHMARKS.md] [--figures benchmarks/figures]
         [--work runs/reproduce] [--levels 1,2,4,8,16] [--fresh] [--thresholds 0.1,0.3,0.5,0.7,0.9]
         [--max-new-tokens 96] [--max-len 512] [--repeats 3] [--requests-per-slot 3] [--slots 16]
-        [--dflash-b15 DIR] [--train-steps 800] [--no-compile-cache]
+        [--dflash-b15 DIR] [--eagle3 DIR] [--train-steps 800] [--no-compile-cache]
 
 Models: the bundled target `tiny` and drafters `tiny-dspark`, `tiny-dflash` (block 7) and
-`tiny-dspark-b15`; the block-15 DFlash baseline is not bundled (the 50 MB budget) and is trained here
-first with the bundled drafters' recipe (`configs/dflash-demo-b15.yaml`, the bundled regenerated
-data, the same steps and seed; about 15 minutes on 2 cores, kept in WORK/drafters/dflash-b15 for the
-next run) unless --dflash-b15 names one. Prompts: the bundled held-out prompts per domain (math,
+`tiny-dspark-b15`; the block-15 DFlash baseline and the Eagle3 baseline (a chain of 7) are not
+bundled (the 50 MB budget) and are trained here first with the bundled drafters' recipe
+(`configs/dflash-demo-b15.yaml`, `configs/eagle3-demo.yaml`: the bundled regenerated data, the same
+steps and seed; 11-15 minutes each on 2 cores, kept in WORK/drafters/NAME for the next run) unless
+--dflash-b15 / --eagle3 name one. Prompts: the bundled held-out prompts per domain (math,
 code, chat). Stages, in order:
 
   acceptance     every drafter decodes every prompt with its whole block verified (fixed(γ)) at
@@ -48,10 +49,10 @@ from dspark_jax.errors import DSparkError
 from serve import cli
 
 DOMAINS = ("math", "code", "chat")
-# name -> (bundled drafter name or None (trained here), family, block)
+# name -> (bundled drafter name, or the preset it is trained here with; family; drafts per round)
 MODELS = {"dspark-b7": ("tiny-dspark", "DSpark", 7), "dflash-b7": ("tiny-dflash", "DFlash", 7),
-          "dspark-b15": ("tiny-dspark-b15", "DSpark", 15), "dflash-b15": (None, "DFlash", 15)}
-DFLASH_B15_PRESET = "dflash-demo-b15"
+          "dspark-b15": ("tiny-dspark-b15", "DSpark", 15), "dflash-b15": ("dflash-demo-b15", "DFlash", 15),
+          "eagle3": ("eagle3-demo", "Eagle3", 7)}
 DEMO_DRAFTER_STEPS = 800  # what train.demo_models trained the bundled drafters for
 
 
@@ -70,8 +71,9 @@ def add_parser(sub) -> None:
     r.add_argument("--slots", type=int, default=16, help="slots of the acceptance/threshold runs")
     r.add_argument("--limit", type=int, default=0, help="at most this many prompts per domain")
     r.add_argument("--dflash-b15", default="", help="a trained block-15 DFlash drafter to use")
+    r.add_argument("--eagle3", default="", help="a trained Eagle3 drafter for the bundled target to use")
     r.add_argument("--train-steps", type=int, default=DEMO_DRAFTER_STEPS,
-                   help="steps of the block-15 DFlash baseline (the bundled drafters' budget)")
+                   help="steps of the baselines trained here (the bundled drafters' budget)")
     r.add_argument("--models", default=",".join(MODELS), help="subset of " + ", ".join(MODELS))
     r.add_argument("--fresh", action="store_true",
                    help="measure the concurrency sweep again even when WORK holds one with these settings")
@@ -98,8 +100,9 @@ def check_args(args) -> list[str]:
             problems.append(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
     if args.requests_per_slot < 2:
         problems.append(f"--requests-per-slot {args.requests_per_slot}: must be >= 2")
-    if args.dflash_b15 and not Path(args.dflash_b15).is_dir():
-        problems.append(f"--dflash-b15 {args.dflash_b15}: not a directory")
+    for flag, path in given_drafters(args).items():
+        if path and not Path(path).is_dir():
+            problems.append(f"--{flag} {path}: not a directory")
     if Path(args.figures).exists() and not Path(args.figures).is_dir():
         problems.append(f"--figures {args.figures}: is a file; expected a directory")
     problems += cli.output_problems({"--out": args.out}, {})
@@ -123,14 +126,19 @@ def machine_line(m: dict) -> str:
 
 # -- models ----------------------------------------------------------------------------------
 
+def given_drafters(args) -> dict[str, str]:
+    """The baselines named on the command line (name -> directory or '')."""
+    return {"dflash-b15": args.dflash_b15, "eagle3": args.eagle3}
+
+
 def drafter_dirs(args, log) -> dict[str, str]:
     out = {}
     for name in args.models:
-        name_bundled = MODELS[name][0]
-        if name_bundled:
-            out[name] = bundled.resolve_drafter(name_bundled)
-        elif args.dflash_b15:
-            out[name] = args.dflash_b15
+        source = MODELS[name][0]
+        if source in bundled.DRAFTERS:
+            out[name] = bundled.resolve_drafter(source)
+        elif given_drafters(args).get(name):
+            out[name] = given_drafters(args)[name]
         else:
             export = Path(args.work) / "drafters" / name
             if not (export / "model.safetensors").is_file():
@@ -139,7 +147,7 @@ def drafter_dirs(args, log) -> dict[str, str]:
                 print(f"== training the {name} baseline ({args.train_steps} steps; resumable)",
                       flush=True)
                 t0 = time.perf_counter()
-                train_drafter(DFLASH_B15_PRESET, Path(bundled.resolve_target("tiny")),
+                train_drafter(source, Path(bundled.resolve_target("tiny")),
                               bundled.REGENERATED, Path(args.work) / "runs" / name, export,
                               args.train_steps, args.seed, "bfloat16")
                 log.append({"stage": f"train {name}", "seconds": round(time.perf_counter() - t0, 1)})
@@ -197,10 +205,10 @@ def acceptance(models: Models, drafters: dict[str, str], args) -> tuple[dict, di
             row = {"domains": {}}
             for domain in DOMAINS:
                 mine = [r for r in results if r.id.startswith(domain + "/")]
-                _, _, taus = metrics.acceptance_by_position(mine, dcfg.block_size)
+                _, _, taus = metrics.acceptance_by_position(mine, dcfg.proposal_length)
                 row["domains"][domain] = {"tau": float(np.mean(taus)), "prompts": len(mine),
                                           "rounds": len(taus)}
-            reached, acc, taus = metrics.acceptance_by_position(results, dcfg.block_size)
+            reached, acc, taus = metrics.acceptance_by_position(results, dcfg.proposal_length)
             row.update(tau_macro=float(np.mean([d["tau"] for d in row["domains"].values()])),
                        tau_all=float(np.mean(taus)),
                        conditional_acceptance=(acc / np.maximum(reached, 1)).tolist(),
@@ -208,7 +216,7 @@ def acceptance(models: Models, drafters: dict[str, str], args) -> tuple[dict, di
             table[f"{name}@{temp:g}"] = row
             print(f"acceptance {name} T={temp:g}: tau {row['tau_macro']:.3f} macro "
                   + " ".join(f"{d} {v['tau']:.2f}" for d, v in row["domains"].items()), flush=True)
-            if temp == 1.0 and dcfg.enable_confidence_head:
+            if temp == 1.0 and getattr(dcfg, "enable_confidence_head", False):
                 kept[name] = results
         del engine
     return table, kept
@@ -222,7 +230,7 @@ def plot_positions(table: dict, names: list[str], path: Path, temp: float = 1.0)
             continue
         ca = row["conditional_acceptance"]
         ax.plot(range(1, len(ca) + 1), ca, marker="o", color=f"C{i}",
-                linestyle="-" if MODELS[name][1] == "DSpark" else "--",
+                linestyle={"DSpark": "-", "DFlash": "--"}.get(MODELS[name][1], ":"),
                 label=f"{MODELS[name][1]} block {MODELS[name][2]}")
     ax.set(xlabel="draft position j", ylabel="P(draft j accepted | drafts before it accepted)",
            title=f"conditional acceptance by position, T = {temp:g}")
@@ -329,6 +337,10 @@ def criteria(res: dict) -> list[tuple[str, str, bool | None]]:
     if ratios[15] is not None and ratios[7] is not None:
         out.append(("the same at block 15, larger than at block 7", f"{ratios[15]:.3f}",
                     ratios[15] > ratios[7]))
+    s, e = tau("dspark-b7"), tau("eagle3")
+    if s and e:
+        out.append(("τ(DSpark) / τ(Eagle3), macro over domains, 7 drafts a round, T = 1 (> 1; the "
+                    "paper: 1.27-1.31 on Qwen3 4B-14B)", f"{s / e:.3f}", s / e > 1))
     for block in (7, 15):
         rows = [acc.get(f"{n}-b{block}@1") for n in ("dspark", "dflash")]
         if all(rows):
@@ -401,7 +413,8 @@ def render(res: dict) -> str:
              "Generated by `serve.bench reproduce`; every number and figure below comes out of it.",
              "", f"- command: `{cmd}`", f"- machine: {machine_line(m)}",
              "- models: the bundled target `tiny` (15.7M parameters) and drafters "
-             + ", ".join(f"`{MODELS[n][0] or res['drafters'][n]}`" for n in res["drafters"])
+             + ", ".join(f"`{MODELS[n][0] if MODELS[n][0] in bundled.DRAFTERS else res['drafters'][n]}`"
+                         for n in res["drafters"])
              + "; prompts: the bundled held-out prompts "
              + ", ".join(f"{d} {res['prompt_counts'][d]}" for d in DOMAINS),
              f"- at most {res['max_new_tokens']} new tokens per request, stopping at the stop "

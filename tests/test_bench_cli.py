@@ -127,7 +127,7 @@ def test_missing_prompt_file(tmp_path):
     (["--models", "dspark-b7,eagle"], "--models: unknown eagle; expected some of dspark-b7"),
     (["--thresholds", "0.5,2"], "--thresholds '0.5,2': expected numbers in [0, 1]"),
     (["--requests-per-slot", "1"], "--requests-per-slot 1: must be >= 2"),
-    (["--dflash-b15", "{tmp}/nowhere"], "--dflash-b15 {tmp}/nowhere: not a directory"),
+    (["--eagle3", "{tmp}/nowhere"], "--eagle3 {tmp}/nowhere: not a directory"),
     (["--out", "{tmp}/no/BENCHMARKS.md"], "--out {tmp}/no/BENCHMARKS.md: directory {tmp}/no does not exist"),
 ])
 def test_reproduce_bad_flags_exit_2_before_anything_runs(tmp_path, flags, message):

@@ -367,6 +367,34 @@ def test_process_shards_partition_global_batch(synthetic: Dataset, process_count
             np.testing.assert_array_equal(np.concatenate(local), single[step][key], err_msg=key)
 
 
+@pytest.mark.parametrize("process_count", [1, 2])
+def test_pad_to_multiple_cuts_only_padding(synthetic: Dataset, tok: Tokenizer, process_count: int) -> None:
+    """Each batch is the full-length batch cut to its longest record rounded up to the multiple
+    (the same on every process: the global batch's longest), and the cut-off part is padding."""
+    steps, m = 7, 16
+    synthetic = load_conversations(synthetic.path, tok, max_length=256, min_length=BLOCK + 1, system_prompt="")
+    full = take(iterator(synthetic), steps)
+    parts = [take(iterator(synthetic, pad_to_multiple=m, process_index=i, process_count=process_count), steps)
+             for i in range(process_count)]
+    lengths = set()
+    for step in range(steps):
+        longest = int(full[step]["attention_mask"].sum(1).max())
+        L = min(-(-longest // m) * m, synthetic.max_length)
+        lengths.add(L)
+        for key in full[step]:
+            local = np.concatenate([p[step][key] for p in parts])
+            assert all(p[step]["input_ids"].shape[1] == L for p in parts if key == "input_ids")
+            width = L if full[step][key].shape[1] == synthetic.max_length else full[step][key].shape[1]
+            np.testing.assert_array_equal(local, full[step][key][:, :width], err_msg=key)
+        assert not full[step]["attention_mask"][:, L:].any() and not full[step]["loss_mask"][:, L:].any()
+    assert max(lengths) < synthetic.max_length and len(lengths) > 1, lengths  # the option did something
+
+
+def test_pad_to_multiple_must_not_be_negative(synthetic: Dataset) -> None:
+    with pytest.raises(ConfigError, match="pad_to_multiple must be >= 0, got -1"):
+        iterator(synthetic, pad_to_multiple=-1)
+
+
 def test_process_count_must_divide_batch(synthetic: Dataset) -> None:
     with pytest.raises(ConfigError, match=r"global_batch_size 8 is not divisible by the 3 processes"):
         iterator(synthetic, process_count=3)

@@ -20,7 +20,8 @@ def _result():
     flat7, falling7 = [0.8] * 7, [0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2]
     acc = {"dspark-b7@1": _acceptance_row(flat7, 3.3), "dflash-b7@1": _acceptance_row(falling7, 2.9),
            "dspark-b15@1": _acceptance_row([0.8] * 15, 3.6),
-           "dflash-b15@1": _acceptance_row([0.8 - 0.04 * j for j in range(15)], 3.0)}
+           "dflash-b15@1": _acceptance_row([0.8 - 0.04 * j for j in range(15)], 3.0),
+           "eagle3@1": _acceptance_row([0.7 - 0.05 * j for j in range(7)], 2.5)}
     for key in list(acc):
         acc[key.replace("@1", "@0")] = acc[key]
     rows = []
@@ -44,6 +45,7 @@ def test_verdicts_follow_the_measurements():
     assert ratio7 == (f"{3.3 / 2.9:.3f}", True)
     ratio15 = next(v for k, v in verdicts.items() if "at block 15, larger" in k)
     assert ratio15 == (f"{3.6 / 3.0:.3f}", True)
+    assert next(v for k, v in verdicts.items() if "τ(Eagle3)" in k) == (f"{3.3 / 2.5:.3f}", True)
     falls = [v for k, v in verdicts.items() if "falls along the block" in k]
     assert [ok for _, ok in falls] == [True, True]
     assert falls[0][0] == "DSpark 0.000, DFlash 0.427"  # 0.8 - (35+24+15+8)/220: weighted by rounds

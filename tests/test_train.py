@@ -45,6 +45,22 @@ def train(cfg, stop_after=None):
     return seen, summary
 
 
+@pytest.mark.parametrize("preset, keys", [("dspark-tiny", ("loss", "accept_rate")),
+                                          ("eagle3-tiny", ("loss", "accuracy", "step_loss"))])
+def test_padding_to_the_batch_longest_keeps_the_losses(tiny_target, tmp_path, preset, keys):
+    """train.pad_to_multiple: batches cut to their longest record (rounded up to 16 of the 128
+    positions) train to the same losses and accuracies as full-length ones."""
+    cfgs = [make_cfg(tiny_target, tmp_path / f"run{m}", "train.max_steps=4", "train.log_every=1",
+                     "train.max_length=128", f"train.pad_to_multiple={m}", preset=preset) for m in (0, 16)]
+    cut = trainer.setup(cfgs[1]).iterator
+    assert min(next(cut)["input_ids"].shape[1] for _ in range(4)) < cfgs[0].train.max_length
+    runs = [train(cfg)[0] for cfg in cfgs]
+    for step in range(1, 5):
+        for key in keys:
+            np.testing.assert_allclose(runs[1][step][key], runs[0][step][key], rtol=2e-5, atol=1e-6,
+                                       err_msg=f"step {step} {key}")
+
+
 @pytest.mark.parametrize("preset", ["dspark-tiny", "dflash-tiny"])
 def test_training_lowers_loss_and_raises_acceptance(tiny_target, tmp_path, preset):
     cfg = make_cfg(tiny_target, tmp_path / "run", "train.max_steps=40", "train.log_every=1",

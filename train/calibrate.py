@@ -85,7 +85,7 @@ def main(argv=None) -> int:
             requests += [dataclasses.replace(r, id=f"{Path(path).stem}/{r.id}") for r in reqs]
         if len(requests) < 2:
             raise DSparkError(f"{len(requests)} usable prompts; calibration needs at least 2")
-        print(f"decoding {len(requests)} prompts with fixed({dcfg.block_size}) at temperature "
+        print(f"decoding {len(requests)} prompts with fixed({dcfg.proposal_length}) at temperature "
               f"{args.temperature} ...", file=sys.stderr, flush=True)
         results = []
         metrics = engine.generate(requests, results.append, keep_confidences=True)

@@ -89,6 +89,7 @@ def train_drafter(preset: str, target: Path, data: Path, workdir: Path, export: 
     from dspark_jax.config import load_config, preset_path
     from dspark_jax.formats import deepspec
     from dspark_jax.training import trainer
+    from train.drafter import FORMATS
 
     cfg = load_config(preset_path(preset), [
         f"train.target_dir={target}", f"train.data_file={data}", f"train.workdir={workdir}",
@@ -96,15 +97,13 @@ def train_drafter(preset: str, target: Path, data: Path, workdir: Path, export: 
         "mesh.data=1", *overrides])
     print(f"   train.drafter --config {preset} (workdir {workdir}, {steps} steps)", flush=True)
     every = max(cfg.train.log_every, steps // 10)
-    summary = trainer.run(cfg, on_step=lambda s: print(
-        f"   step {s.step} loss {s.metrics['loss']:.3f} acc@0 {s.metrics['accept_rate'][0]:.3f} "
-        f"tau_prob {s.metrics['tau_prob']:.2f}", flush=True)
-        if s.step % every < cfg.train.log_every else None)
+    fmt = FORMATS[cfg.drafter.kind]
+    summary = trainer.run(cfg, on_step=lambda s: print(f"   step {s.step} {fmt(s.metrics)}", flush=True)
+                          if s.step % every < cfg.train.log_every else None)
     cfg, params, step = trainer.load_drafter_params(workdir)
     _, target_params = trainer.load_target_for(cfg, None)
     deepspec.save_drafter(params, cfg.target, cfg.drafter, target_params, export, dtype=dtype)
-    print(f"   exported step {step} to {export}; last tau_prob "
-          f"{summary['last_metrics'].get('tau_prob')}", flush=True)
+    print(f"   exported step {step} to {export}; last {fmt(summary['last_metrics'])}", flush=True)
     return {**summary, "step": step}
 
 

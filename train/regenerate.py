@@ -128,7 +128,7 @@ def main(argv=None) -> int:
                         scheduler=scheduler, prefill_buckets=args.prefill_buckets, seed=args.seed,
                         mesh=mesh, sts=sts, sps=args.sps or None)
         mode = "plain target decoding" if dcfg is None else (
-            f"speculative, block {dcfg.block_size}, {scheduler.describe(dcfg.block_size)}"
+            f"speculative, block {dcfg.proposal_length}, {scheduler.describe(dcfg.proposal_length)}"
             + (f", calibrated by {sts_from}" if sts_from else ""))
         print(f"{mode}, {args.slots} slots x {max_len} positions; compiling ...", file=sys.stderr,
               flush=True)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dspark_jax.config import DrafterConfig, TargetConfig
+from dspark_jax.config import DrafterConfig, Eagle3Config, TargetConfig
 from dspark_jax.decoding import profile as sps_profile
 from dspark_jax.decoding import rounds
 from dspark_jax.decoding.acceptance import accept
@@ -65,17 +65,21 @@ jax.monitoring.register_event_duration_secs_listener(_CompileCounter.on_event)
 class Engine:
     """Owns the compiled programs and the device state; `generate` runs the host loop.
 
+    The drafter is a DSpark/DFlash one (`DrafterConfig`) or an Eagle3 chain (`Eagle3Config`); the
+    programs are the same, with the kind's stages plugged in (`rounds.DrafterStages`).
+
     `scheduler` picks the round policy (`policies.py`). The load-aware ones (greedy, async) need an
     SPS profile: `sps` (a profile or a path), else a cached start-up profile for this model, slot
     count, context and device, else one measured at warm-up and cached. `sts`: the calibration
-    temperatures of the confidence head, one per block position. `pending_context`: how many
-    rounds without a proposal a slot may hold its committed tokens' features back from the
-    drafter's context before a flush projects them (PendingContext; a bigger buffer flushes less
-    often, at R x pending x m·d target-dtype values).
+    temperatures of the confidence head (Eagle3: of its stand-in), one per draft position.
+    `pending_context` (DSpark): how many rounds without a proposal a slot may hold its committed
+    tokens' features back from the drafter's context before a flush projects them (PendingContext;
+    a bigger buffer flushes less often, at R x pending x m·d target-dtype values).
     """
 
-    def __init__(self, tcfg: TargetConfig, target_params, dcfg: DrafterConfig | None = None,
-                 drafter_params=None, *, slots: int = 8, max_len: int = 512,
+    def __init__(self, tcfg: TargetConfig, target_params,
+                 dcfg: DrafterConfig | Eagle3Config | None = None, drafter_params=None, *,
+                 slots: int = 8, max_len: int = 512,
                  scheduler: SchedulerConfig = SchedulerConfig(), prefill_buckets: Iterable[int] = (),
                  max_prefill_batch: int = 8, max_stop_ids: int = 8, seed: int = 0,
                  acceptance: Callable = accept, mesh: Mesh | None = None,
@@ -93,9 +97,9 @@ class Engine:
             raise DSparkError(f"max_len {max_len}: need at least 2 positions")
         if pending_context < 1:
             raise DSparkError(f"pending_context {pending_context}: must be >= 1")
-        if sts is not None and (dcfg is None or len(sts) != dcfg.block_size):
+        if sts is not None and (dcfg is None or len(sts) != dcfg.proposal_length):
             raise DSparkError(f"{len(sts)} calibration temperatures for a drafter with block size "
-                              f"{dcfg.block_size if dcfg else 0}")
+                              f"{dcfg.proposal_length if dcfg else 0}")
         self.shape = EngineShape(tcfg=tcfg, dcfg=dcfg, slots=slots, max_len=max_len,
                                  max_stop_ids=max_stop_ids, scheduler=scheduler,
                                  sts=None if sts is None else tuple(float(t) for t in sts),

@@ -13,14 +13,22 @@ and the programs compose them: `scheduled_round` (fixed, threshold: ℓ per requ
 anchors only; the drafter's context gains the committed tokens later, in one batch: `flush_round`
 or the next proposal), `greedy_plan` then `greedy_verify` (Algorithm 1, with a host read of B
 between them); `end_requests` deactivates slots whose requests the host ended.
+
+A kind of drafter enters a round in three places only, its `DrafterStages`: the context of newly
+admitted prompts (prefill), the proposal, and the context after a commit. DSpark's are here; the
+Eagle3 chain's are in `eagle3_stages.py`; every program above is shared by both.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dspark_jax.decoding import eagle3_stages
 from dspark_jax.decoding.acceptance import split_rows
 from dspark_jax.decoding.sampling import (
     ACCEPT,
@@ -43,24 +51,29 @@ from dspark_jax.decoding.state import (
     LENGTH,
     RUNNING,
     STOP,
+    Draft,
     EngineShape,
     EngineState,
     RoundOutput,
     Slots,
+    Verified,
 )
 from dspark_jax.models.drafter import DraftCache, extend_context, propose
 from dspark_jax.models.target import KVCache, forward, forward_flat
 
 
-@struct.dataclass
-class Draft:
-    """One round's proposal for every slot."""
+@dataclasses.dataclass(frozen=True)
+class DrafterStages:
+    """Where a kind of drafter enters the shared programs (pure functions of the shape):
+    prefill_context(shape, state, tparams, dparams, slot_idx [J], tokens [J, P], lengths [J],
+    taps [J, P, m*d], first [J]) -> the state's draft_cache with the prompts' context;
+    propose(shape, state, tparams, dparams) -> (state, Draft);
+    commit_context(shape, state, tparams, dparams, Verified, proposed: bool) -> state (its
+    draft_cache / pending updated; `state.slots` are still the round's starting ones)."""
 
-    tokens: jax.Array  # [R, γ] int32 d_1..d_γ
-    probs: jax.Array  # [R, γ, V] float32 q_j the drafts were sampled from
-    conf_logits: jax.Array  # [R, γ] raw confidence logits
-    confidence: jax.Array  # [R, γ] calibrated c_j
-    survival: jax.Array  # [R, γ] calibrated prefix survival a_j
+    prefill_context: Callable
+    propose: Callable
+    commit_context: Callable
 
 
 @struct.dataclass
@@ -112,14 +125,12 @@ def prefill(shape: EngineShape, state: EngineState, tparams, dparams, slot_idx, 
                   logit_index=(lengths - 1)[:, None])
     tc = KVCache(k=state.target_cache.k.at[:, slot_idx].set(out.cache.k, mode="drop"),
                  v=state.target_cache.v.at[:, slot_idx].set(out.cache.v, mode="drop"))
-    dc = state.draft_cache
-    if dc is not None:
-        sub_d = DraftCache(k=dc.k[:, take], v=dc.v[:, take])
-        sub_d = extend_context(dparams, tcfg, shape.dcfg, sub_d, out.taps, positions, valid)
-        dc = DraftCache(k=dc.k.at[:, slot_idx].set(sub_d.k, mode="drop"),
-                        v=dc.v.at[:, slot_idx].set(sub_d.v, mode="drop"))
     probs = target_probs(out.logits[:, 0], temperature, top_p, top_k)
     first = sample(row_keys(state.key, seed, lengths, FIRST_TOKEN), probs)
+    dc = state.draft_cache
+    if dc is not None:
+        dc = drafter_stages(shape).prefill_context(shape, state, tparams, dparams, slot_idx, tokens,
+                                                   lengths, out.taps, first)
     count, finish = truncate(first[:, None], jnp.ones((J,), jnp.int32), stop_ids, max_new)
     finish = jnp.where((finish == RUNNING) & (lengths >= shape.max_len), CONTEXT, finish)
     s = state.slots
@@ -135,6 +146,20 @@ def prefill(shape: EngineShape, state: EngineState, tparams, dparams, slot_idx, 
     lp = token_logprobs(out.logits[:, 0], first, shape.logprobs) if shape.logprobs else ()
     return state.replace(slots=slots, target_cache=tc, draft_cache=dc, pending=pending), \
         (first, finish, *lp)
+
+
+def dspark_prefill_context(shape: EngineShape, state: EngineState, tparams, dparams, slot_idx,
+                           tokens, lengths, taps, first) -> DraftCache:
+    """The prompts' projected target features into their slots' context caches."""
+    R, (J, P) = shape.slots, tokens.shape
+    take = jnp.minimum(slot_idx, R - 1)
+    positions = jnp.broadcast_to(jnp.arange(P), (J, P))
+    dc = state.draft_cache
+    sub_d = DraftCache(k=dc.k[:, take], v=dc.v[:, take])
+    sub_d = extend_context(dparams, shape.tcfg, shape.dcfg, sub_d, taps, positions,
+                           positions < lengths[:, None])
+    return DraftCache(k=dc.k.at[:, slot_idx].set(sub_d.k, mode="drop"),
+                      v=dc.v.at[:, slot_idx].set(sub_d.v, mode="drop"))
 
 
 def flush_pending(shape: EngineShape, state: EngineState, dparams, when: jax.Array | None = None
@@ -156,6 +181,12 @@ def flush_pending(shape: EngineShape, state: EngineState, dparams, when: jax.Arr
 
     when = jnp.any(pending.count > 0) if when is None else when
     return jax.lax.cond(when, flush, lambda state: state, state)
+
+
+def dspark_propose(shape: EngineShape, state: EngineState, tparams, dparams
+                   ) -> tuple[EngineState, Draft]:
+    """`propose_stage` as a DrafterStages.propose (the state is unchanged)."""
+    return state, propose_stage(shape, state, tparams, dparams)
 
 
 def propose_stage(shape: EngineShape, state: EngineState, tparams, dparams) -> Draft:
@@ -214,24 +245,16 @@ def verify_and_commit(shape: EngineShape, bucket: int, state: EngineState, tpara
     finish = jnp.where((finish == RUNNING) & (new_length >= S), CONTEXT, finish)
     finish = jnp.where(s.active, finish, RUNNING)
     count = jnp.where(s.active, count, 0)
-    dc, pending = state.draft_cache, state.pending
-    if dc is not None and draft is not None:  # the drafter's context gains the committed tokens
-        taps = jnp.zeros((R * W, out.taps.shape[-1]), out.taps.dtype).at[grid].set(
-            out.taps, mode="drop").reshape(R, W, -1)
-        dc = extend_context(dparams, tcfg, shape.dcfg, dc, taps, s.length[:, None] + jw,
-                            (jw <= k[:, None]) & s.active[:, None])
-    elif dc is not None:  # no proposal: each anchor's features (flat token i) wait for the next
-        slot = jnp.where(valid, row, R)
-        pending = pending.replace(
-            taps=pending.taps.at[slot, pending.count[row]].set(
-                out.taps.astype(pending.taps.dtype), mode="drop"),
-            count=pending.count + s.active)
+    if state.draft_cache is not None:  # the drafter's context gains the committed tokens
+        verified = Verified(taps=out.taps, grid=grid, row=row, valid=valid, tokens=tokens, accepted=k)
+        state = drafter_stages(shape).commit_context(shape, state, tparams, dparams, verified,
+                                                     draft is not None)
     slots = s.replace(active=s.active & (finish == RUNNING),
                       length=jnp.where(s.active, new_length, s.length),
                       anchor=jnp.where(s.active, nxt, s.anchor),
                       generated=s.generated + count)
     no_conf = jnp.zeros((R, 0), jnp.float32)
-    state = state.replace(slots=slots, target_cache=out.cache, draft_cache=dc, pending=pending)
+    state = state.replace(slots=slots, target_cache=out.cache)
     lp = {}
     if shape.logprobs:  # token j was predicted by the logits at offset j (p_j)
         lp = dict(zip(("logprob", "top_ids", "top_logprobs"),
@@ -240,6 +263,39 @@ def verify_and_commit(shape: EngineShape, bucket: int, state: EngineState, tpara
         tokens=tokens, count=count, verified=ell, accepted=k, finish=finish, was_active=s.active,
         conf_logits=no_conf if draft is None else draft.conf_logits,
         survival=no_conf if draft is None else draft.survival, **lp).pack()
+
+
+def dspark_commit_context(shape: EngineShape, state: EngineState, tparams, dparams,
+                          verified: Verified, proposed: bool) -> EngineState:
+    """After a proposal the committed tokens' features are projected into the context cache at
+    once; after a round without one, each anchor's features are held back (PendingContext)."""
+    s, R, W = state.slots, shape.slots, verified.tokens.shape[1]
+    dc, pending = state.draft_cache, state.pending
+    if proposed:
+        jw = jnp.arange(W)
+        dc = extend_context(dparams, shape.tcfg, shape.dcfg, dc, verified.taps_grid(R, W),
+                            s.length[:, None] + jw,
+                            (jw <= verified.accepted[:, None]) & s.active[:, None])
+    else:  # flat token i is the anchor of slot row[i]
+        row = verified.row
+        slot = jnp.where(verified.valid, row, R)
+        pending = pending.replace(
+            taps=pending.taps.at[slot, pending.count[row]].set(
+                verified.taps.astype(pending.taps.dtype), mode="drop"),
+            count=pending.count + s.active)
+    return state.replace(draft_cache=dc, pending=pending)
+
+
+DSPARK = DrafterStages(prefill_context=dspark_prefill_context, propose=dspark_propose,
+                       commit_context=dspark_commit_context)
+EAGLE3 = DrafterStages(prefill_context=eagle3_stages.prefill_context, propose=eagle3_stages.propose,
+                       commit_context=eagle3_stages.commit_context)
+STAGES = {"dspark": DSPARK, "eagle3": EAGLE3}
+
+
+def drafter_stages(shape: EngineShape) -> DrafterStages:
+    """The stages of the shape's kind of drafter (`drafter.kind`)."""
+    return STAGES[shape.dcfg.kind]
 
 
 def end_requests(shape: EngineShape, state: EngineState, tparams, dparams, ended: jax.Array
@@ -267,7 +323,7 @@ def scheduled_round(shape: EngineShape, bucket: int, state: EngineState, tparams
     """fixed / threshold: ℓ_r per request on the device; the bucket holds every active anchor plus
     the scheduler's most drafts."""
     state = flush_pending(shape, state, dparams)
-    draft = propose_stage(shape, state, tparams, dparams)
+    state, draft = drafter_stages(shape).propose(shape, state, tparams, dparams)
     ell = schedule(shape.scheduler, draft.confidence)
     if shape.scheduler.bucket_fill:
         s = state.slots
@@ -279,7 +335,7 @@ def topk_round(shape: EngineShape, bucket: int, state: EngineState, tparams, dpa
     """async: the bucket (chosen on the host from earlier rounds) is filled by every active anchor
     and the bucket - n candidates with the highest current survival."""
     state = flush_pending(shape, state, dparams)
-    draft = propose_stage(shape, state, tparams, dparams)
+    state, draft = drafter_stages(shape).propose(shape, state, tparams, dparams)
     s = state.slots
     if bucket >= shape.slots * shape.width:  # every candidate fits: ℓ = room, nothing to rank
         ell = room(shape, s)
@@ -294,7 +350,7 @@ def greedy_plan(shape: EngineShape, state: EngineState, tparams, dparams, sps: j
     """Algorithm 1 on this round's proposal; the host reads `tokens` (B) to pick the bucket.
     sps [B_max + 1]: the profiled steps per second of a verification of B tokens."""
     state = flush_pending(shape, state, dparams)  # a copy: greedy_verify flushes the real one
-    draft = propose_stage(shape, state, tparams, dparams)
+    _, draft = drafter_stages(shape).propose(shape, state, tparams, dparams)  # (the same way)
     s = state.slots
     order, a_sorted = candidate_order(draft.survival, room(shape, s))
     n = jnp.sum(s.active).astype(jnp.int32)

@@ -2,7 +2,8 @@
 
 `EngineShape` is everything static (configs, slot count, context, the scheduler, calibration); it is
 hashable, so each device program is a `jax.jit` of a pure function with the shape bound. The state
-is a pytree: per-slot arrays, the target KV cache, the drafter's context cache and the base key.
+is a pytree: per-slot arrays, the target KV cache, the drafter's context cache (a DSpark `DraftCache`,
+or an `Eagle3Context` for an Eagle3 drafter) and the base key.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dspark_jax.config import DrafterConfig, TargetConfig
+from dspark_jax.config import DrafterConfig, Eagle3Config, TargetConfig
 from dspark_jax.decoding.acceptance import accept
 from dspark_jax.decoding.schedulers import SchedulerConfig
 from dspark_jax.models.drafter import DraftCache
+from dspark_jax.models.eagle3 import Eagle3Cache
 from dspark_jax.models.target import KVCache, param_dtype
 from dspark_jax.sharding import logical_to_spec
 
@@ -34,19 +36,19 @@ class EngineShape:
     """What every program is compiled for; per-request values are arrays in the state instead."""
 
     tcfg: TargetConfig
-    dcfg: DrafterConfig | None  # None: plain target decoding
+    dcfg: DrafterConfig | Eagle3Config | None  # None: plain target decoding
     slots: int  # R
     max_len: int  # S, context positions per slot
     max_stop_ids: int  # NS
     scheduler: SchedulerConfig
-    sts: tuple[float, ...] | None = None  # calibration temperatures per block position
+    sts: tuple[float, ...] | None = None  # calibration temperatures per draft position
     acceptance: Callable = accept  # the rule; replaceable only to test that tests can fail
     logprobs: int = 0  # N > 0: every committed token's target logprob and the top N; 0 = off
     pending: int = PENDING  # rounds without a proposal a slot's PendingContext holds
 
     @property
     def gamma(self) -> int:
-        return self.dcfg.block_size if self.dcfg else 0
+        return self.dcfg.proposal_length if self.dcfg else 0
 
     @property
     def width(self) -> int:
@@ -87,10 +89,53 @@ class PendingContext:
 
 
 @struct.dataclass
+class Eagle3Context:
+    """An Eagle3 drafter's per-slot context: its one layer's KV cache (rows at positions
+    0..length-1, row p = token p+1 with the target features of position p, so the last row holds
+    the anchor) and that last row's layer output, where the next chain starts."""
+
+    cache: Eagle3Cache  # k, v [R, S, k, h]
+    hidden: jax.Array  # [R, d] drafter compute dtype
+
+    @classmethod
+    def create(cls, tcfg: TargetConfig, ecfg: Eagle3Config, slots: int, max_len: int) -> "Eagle3Context":
+        return cls(cache=Eagle3Cache.create(tcfg, ecfg, slots, max_len),
+                   hidden=jnp.zeros((slots, tcfg.hidden_size), jnp.dtype(ecfg.dtype)))
+
+
+@struct.dataclass
+class Draft:
+    """One round's proposal for every slot."""
+
+    tokens: jax.Array  # [R, γ] int32 d_1..d_γ
+    probs: jax.Array  # [R, γ, V] float32 q_j the drafts were sampled from
+    conf_logits: jax.Array  # [R, γ] raw confidence logits
+    confidence: jax.Array  # [R, γ] calibrated c_j
+    survival: jax.Array  # [R, γ] calibrated prefix survival a_j
+
+
+@struct.dataclass
+class Verified:
+    """What a drafter's context learns from a round's verification (`commit_context`)."""
+
+    taps: jax.Array  # [F, m*d] target features of the flat verified tokens
+    grid: jax.Array  # [F] int32 row * W + offset of each flat token; R * W for padding
+    row: jax.Array  # [F] int32 the slot of each flat token
+    valid: jax.Array  # [F] bool: a real token, not padding
+    tokens: jax.Array  # [R, W] int32 committed tokens: the first k + 1 of each row count
+    accepted: jax.Array  # [R] int32 k
+
+    def taps_grid(self, R: int, W: int) -> jax.Array:
+        """[R, W, m*d]: the features by slot and offset (zeros where nothing was verified)."""
+        out = jnp.zeros((R * W, self.taps.shape[-1]), self.taps.dtype)
+        return out.at[self.grid].set(self.taps, mode="drop").reshape(R, W, -1)
+
+
+@struct.dataclass
 class EngineState:
     slots: Slots
     target_cache: KVCache
-    draft_cache: DraftCache | None
+    draft_cache: DraftCache | Eagle3Context | None
     pending: PendingContext | None  # with a drafter
     key: jax.Array  # the engine's base key; never advanced (streams are per request and position)
 
@@ -147,7 +192,9 @@ def init_state(shape: EngineShape, seed: int, mesh: Mesh | None = None) -> Engin
                   top_p=np.ones(R, np.float32), top_k=np.zeros(R, np.int32),
                   seed=np.zeros(R, np.uint32), stop_ids=np.full((R, NS), NO_STOP, np.int32))
     draft = pending = None
-    if shape.dcfg:
+    if isinstance(shape.dcfg, Eagle3Config):  # its context is extended every round: nothing held back
+        draft = Eagle3Context.create(shape.tcfg, shape.dcfg, R, shape.max_len)
+    elif shape.dcfg:
         tcfg = shape.tcfg
         draft = DraftCache.create(tcfg, shape.dcfg, R, shape.max_len)
         pending = PendingContext(
@@ -161,8 +208,12 @@ def init_state(shape: EngineShape, seed: int, mesh: Mesh | None = None) -> Engin
         ("layers", "batch", "cache_seq", "kv_heads", "head_dim")))
     replicated = NamedSharding(mesh, PartitionSpec())
     shard = jax.tree.map(lambda _: replicated, state)
-    shard = shard.replace(target_cache=KVCache(k=cache, v=cache),
-                          draft_cache=None if draft is None else DraftCache(k=cache, v=cache))
+    if isinstance(draft, Eagle3Context):  # one layer: no layers axis
+        one = NamedSharding(mesh, logical_to_spec(("batch", "cache_seq", "kv_heads", "head_dim")))
+        draft_shard = Eagle3Context(cache=Eagle3Cache(k=one, v=one), hidden=replicated)
+    else:
+        draft_shard = None if draft is None else DraftCache(k=cache, v=cache)
+    shard = shard.replace(target_cache=KVCache(k=cache, v=cache), draft_cache=draft_shard)
     return jax.device_put(state, shard)
 
 

@@ -206,8 +206,10 @@ def save_drafter(dparams, tcfg: TargetConfig, dcfg: DrafterConfig, target_params
 def load_pair(target_dir: str | Path, drafter_dir: str | Path | None, mesh: Mesh | None = None):
     """(tcfg, target params, dcfg | None, drafter params | None) on `mesh`: a Hugging Face target
     read with the tapped layers and mask token the drafter names (checked against the target
-    before any weight is read), and the drafter; `drafter_dir` None: the target alone."""
-    from dspark_jax.formats import hf_checkpoint
+    before any weight is read), and the drafter; `drafter_dir` None: the target alone. The
+    drafter's kind comes from its config.json: `architectures` ["Qwen3Eagle3Model"] is an Eagle3
+    drafter (`eagle3.load_eagle3_pair`, dcfg an Eagle3Config), anything else a DSpark/DFlash one."""
+    from dspark_jax.formats import eagle3, hf_checkpoint
 
     if drafter_dir is None:
         tcfg, tparams = hf_checkpoint.load_target(target_dir, mesh=mesh)
@@ -216,6 +218,8 @@ def load_pair(target_dir: str | Path, drafter_dir: str | Path | None, mesh: Mesh
     if not Path(drafter_dir).is_dir():
         raise CheckpointError(f"{drafter_dir}: drafter directory not found")
     drafter_cfg = read_json(where)
+    if eagle3.ARCHITECTURE in (drafter_cfg.get("architectures") or []):
+        return eagle3.load_eagle3_pair(target_dir, drafter_dir, mesh)
     taps, mask = drafter_cfg.get("target_layer_ids"), drafter_cfg.get("mask_token_id")
     if not isinstance(taps, list) or not isinstance(mask, int):
         raise CheckpointError(f"{where}: needs target_layer_ids (list) and mask_token_id (int)")

@@ -214,9 +214,9 @@ class BatchIterator:
 
     Each ``next()`` yields::
 
-        input_ids:      int32 [B_local, max_length]  (pad_id after each sequence)
-        loss_mask:      bool  [B_local, max_length]  (False on padding)
-        attention_mask: bool  [B_local, max_length]  (True on the sequence, False on padding)
+        input_ids:      int32 [B_local, L]  (pad_id after each sequence)
+        loss_mask:      bool  [B_local, L]  (False on padding)
+        attention_mask: bool  [B_local, L]  (True on the sequence, False on padding)
         anchors:        int32 [B_local, num_anchors] (ascending; 0 on dummies)
         anchor_keep:    bool  [B_local, num_anchors]
 
@@ -226,6 +226,12 @@ class BatchIterator:
     batch; without it the last batch is filled with padding rows (no loss, no kept anchor). With
     ``num_anchors = 0`` (drafters trained on every position: Eagle3) there are no anchors and no
     ``anchors``/``anchor_keep`` entries.
+
+    ``L`` is ``max_length``, or with ``pad_to_multiple`` m > 0 the longest record of the *global*
+    batch rounded up to a multiple of m (at most ``max_length``): the positions cut off are padding
+    only, which no loss, anchor or attended key reads, so a step computes what it would on the
+    full length, at a cost that follows the data (one compiled step per distinct L). Every process
+    derives L from the same permutation and record lengths, so all agree on the global shape.
     """
 
     def __init__(
@@ -240,6 +246,7 @@ class BatchIterator:
         process_count: int = 1,
         drop_remainder: bool = True,
         pad_id: int | None = None,
+        pad_to_multiple: int = 0,
     ) -> None:
         n = len(dataset)
         if global_batch_size < 1 or num_anchors < 0 or block_size < 1:
@@ -247,6 +254,8 @@ class BatchIterator:
                 f"data: global_batch_size ({global_batch_size}) and block_size ({block_size}) must be "
                 f">= 1, num_anchors ({num_anchors}) >= 0"
             )
+        if pad_to_multiple < 0:
+            raise ConfigError(f"data: pad_to_multiple must be >= 0, got {pad_to_multiple}")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ConfigError(f"data: seed must be a non-negative int, got {seed!r}")
         if process_count < 1 or not 0 <= process_index < process_count:
@@ -270,6 +279,7 @@ class BatchIterator:
         self.process_count = process_count
         self.drop_remainder = drop_remainder
         self.pad_id = dataset.pad_id if pad_id is None else int(pad_id)
+        self.pad_to_multiple = int(pad_to_multiple)
         self._fingerprint = dataset.fingerprint()
         self.epoch = 0
         self.position = 0  # slot of the permutation where the next global batch starts
@@ -291,8 +301,18 @@ class BatchIterator:
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         return self
 
+    def batch_length(self) -> int:
+        """L of the next global batch (see the class docstring)."""
+        longest, m = self.dataset.max_length, self.pad_to_multiple
+        if m:
+            perm = self._permutation(self.epoch)
+            slots = perm[self.position:min(self.position + self.global_batch_size, len(self.dataset))]
+            longest = max(len(self.dataset.input_ids[r]) for r in slots)
+            longest = -(-longest // m) * m
+        return min(longest, self.dataset.max_length)
+
     def __next__(self) -> dict[str, np.ndarray]:
-        n, b, length = len(self.dataset), self.local_batch_size, self.dataset.max_length
+        n, b, length = len(self.dataset), self.local_batch_size, self.batch_length()
         perm = self._permutation(self.epoch)
         input_ids = np.full((b, length), self.pad_id, dtype=np.int32)
         loss_mask = np.zeros((b, length), dtype=bool)

@@ -3,8 +3,9 @@
 Step k at position t predicts token t+2+k; its soft target is the target's distribution at t+1+k.
 Position t counts at step k when token t+k is a response token and not the last valid one (the
 loss mask with the last valid position cleared, shifted left by k). Each step's soft cross-entropy
-is summed over counted positions and divided by batch × sequence length (not by the count);
-the loss is Σ_k decay^k · step_loss[k]. Shapes: B batch, K steps, S sequence, V vocabulary, d width.
+is summed over counted positions and divided by batch × sequence length (not by the count; in
+training the configured `max_length`, so that a batch padded only to its longest record,
+`train.pad_to_multiple`, weighs as one padded to max_length); the loss is Σ_k decay^k · step_loss[k]. Shapes: B batch, K steps, S sequence, V vocabulary, d width.
 `eagle3_loss` takes every step's logits at once (as the golden tensors are laid out);
 `eagle3_train_loss`, the same numbers, one step at a time (what training uses).
 """
@@ -68,11 +69,12 @@ def ttt_step_terms(draft_logits: jax.Array, target_probs: jax.Array, position_ma
 
 
 def eagle3_metrics(ce: jax.Array, correct: jax.Array, accept: jax.Array, position_mask: jax.Array,
-                   step_loss_decay: float):
-    """(scalar loss, metrics) from the `ttt_step_terms` of every step [B, K, S] (see `eagle3_loss`)."""
+                   step_loss_decay: float, length: int | None = None):
+    """(scalar loss, metrics) from the `ttt_step_terms` of every step [B, K, S] (see `eagle3_loss`);
+    each step's loss is divided by B x `length` (default S)."""
     B, K, S = position_mask.shape
     step_ce_num = jnp.sum(ce, axis=(0, 2))  # [K]
-    step_den = jnp.full((K,), float(B * S), jnp.float32)
+    step_den = jnp.full((K,), float(B * (length or S)), jnp.float32)
     step_loss = step_ce_num / step_den
     step_weight = step_loss_decay ** jnp.arange(K, dtype=jnp.float32)
     loss = jnp.sum(step_weight * step_loss)
@@ -112,7 +114,8 @@ def eagle3_loss(draft_logits: jax.Array, target_probs: jax.Array, position_mask:
 
 
 def eagle3_train_loss(logits_fn: Callable[[jax.Array], jax.Array], hidden_bksd: jax.Array,
-                      target_logits_bsv: jax.Array, position_mask: jax.Array, step_loss_decay: float):
+                      target_logits_bsv: jax.Array, position_mask: jax.Array, step_loss_decay: float,
+                      length: int | None = None):
     """`eagle3_loss(logits_fn(hidden), ttt_target_probs(target_logits), ...)` one TTT step at a time.
 
     logits_fn maps hidden states [B, S, d] to draft logits [B, S, V]; hidden [B, K, S, d]; target
@@ -131,4 +134,4 @@ def eagle3_train_loss(logits_fn: Callable[[jax.Array], jax.Array], hidden_bksd: 
     _, terms = jax.lax.scan(lambda carry, xs: (carry, one_step(*xs)), None,
                             (jnp.moveaxis(hidden_bksd, 1, 0), steps, jnp.moveaxis(position_mask, 1, 0)))
     ce, correct, accept = (jnp.moveaxis(t, 0, 1) for t in terms)  # [B,K,S] each
-    return eagle3_metrics(ce, correct, accept, position_mask, step_loss_decay)
+    return eagle3_metrics(ce, correct, accept, position_mask, step_loss_decay, length)

@@ -103,7 +103,7 @@ def eagle3_loss_fn(dparams, target_params, batch, cfg: Config):
     dp = cast_compute(dparams, ecfg)
     position_mask = ttt_position_mask(batch["loss_mask"], attention_mask, ecfg.ttt_length)
     return eagle3_train_loss(lambda h: eagle3.draft_logits(dp, target_params, tcfg, h), hidden,
-                             target_logits, position_mask, ecfg.step_loss_decay)
+                             target_logits, position_mask, ecfg.step_loss_decay, cfg.train.max_length)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -96,7 +96,8 @@ def setup(cfg: Config) -> Setup:
                              num_anchors=drafter_kind(cfg).num_anchors(cfg.drafter),
                              block_size=cfg.drafter.proposal_length,
                              seed=cfg.train.seed, process_index=jax.process_index(),
-                             process_count=jax.process_count())
+                             process_count=jax.process_count(),
+                             pad_to_multiple=cfg.train.pad_to_multiple)
     total = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * iterator.steps_per_epoch))
     return Setup(cfg=cfg, mesh=mesh, target_params=target_params, iterator=iterator,
                  total_steps=total, optimizer=make_optimizer(cfg, total),
