@@ -210,6 +210,25 @@ def test_two_hundred_requests_compile_nothing_after_warmup(pair):
         run(engine, reqs[:1])
 
 
+def test_engines_of_one_shape_share_the_programs_no_scheduler_reads(pair, requests, plain_results):
+    """Side by side, a fixed and a greedy engine of one shape compile the prefills and plain rounds
+    once (the second engine compiles only its scheduler's own rounds) and both stay lossless; a
+    different slot count shares nothing."""
+    tcfg, tparams, dcfg, dparams = pair[:4]
+    fixed = Engine(tcfg, tparams, dcfg, dparams, slots=3, scheduler=SchedulerConfig("fixed", 0), **SMALL)
+    greedy = Engine(tcfg, tparams, dcfg, dparams, slots=3, scheduler=SchedulerConfig("greedy"), **SMALL)
+    greedy.use_profile(cheap_spec_profile(greedy), "test")
+    other = Engine(tcfg, tparams, dcfg, dparams, slots=2, scheduler=SchedulerConfig("fixed", 0), **SMALL)
+    for engine in (fixed, greedy, other):
+        engine.warmup()
+    shared = [k for k in fixed._compiled if k[0] in ("prefill", "plain", "end")]
+    assert len(shared) > 4 and all(greedy._compiled[k] is fixed._compiled[k] for k in shared)
+    assert not any(other._compiled[k] is fixed._compiled.get(k) for k in other._compiled)
+    assert greedy.compilations == len(greedy._compiled) - len(shared)
+    for engine in (fixed, greedy):
+        assert_same(run(engine, requests)[0], plain_results)
+
+
 def test_bad_requests(plain):
     with pytest.raises(DSparkError, match="request e: empty prompt"):
         plain.check_request(Request(id="e", prompt_ids=(), max_new_tokens=3))

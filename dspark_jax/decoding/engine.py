@@ -13,9 +13,11 @@ drafter the same engine runs plain target decoding (ℓ = 0: each round verifies
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
+import weakref
 from collections import deque
 from typing import Any, Callable, Iterable
 
@@ -60,6 +62,20 @@ class _CompileCounter:
 
 
 jax.monitoring.register_event_duration_secs_listener(_CompileCounter.on_event)
+
+# Programs that compute the same whatever the scheduler (the scheduler is static in the shape, but
+# these never read it: a plain round verifies anchors only), shared by every engine of one shape,
+# mesh and argument layout in the process while one of them holds it. Engines side by side (a
+# benchmark's schedulers at one concurrency) then compile and map them once: at 32 slots five
+# engines' own copies outgrew the kernel's 65530 memory maps per process.
+SHARED_KINDS = ("prefill", "plain", "end", "flush")
+_shared_programs: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _layout(tree) -> tuple:
+    """What a compiled program is specialised to in `tree`: structure, shapes, dtypes, shardings."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((x.shape, str(x.dtype), getattr(x, "sharding", None)) for x in leaves)
 
 
 class Engine:
@@ -180,8 +196,16 @@ class Engine:
                 program = {"plain": rounds.plain_round, "scheduled": rounds.scheduled_round,
                            "topk": rounds.topk_round}[kind]
                 fn = functools.partial(program, self.shape, *static)
-            self._compiled[key] = jax.jit(fn, donate_argnums=donate, out_shardings=out).lower(
-                *args).compile()
+            shared = None
+            if kind in SHARED_KINDS:
+                shared = (key, dataclasses.replace(self.shape, scheduler=SchedulerConfig()),
+                          _layout(args), donate, out)
+                self._compiled[key] = _shared_programs.get(shared)
+            if self._compiled.get(key) is None:
+                self._compiled[key] = jax.jit(fn, donate_argnums=donate, out_shardings=out).lower(
+                    *args).compile()
+                if shared is not None:
+                    _shared_programs[shared] = self._compiled[key]
         return self._compiled[key]
 
     def run_round(self, key: tuple, *extra):
