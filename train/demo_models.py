@@ -102,7 +102,7 @@ def train_drafter(preset: str, target: Path, data: Path, workdir: Path, export: 
                           if s.step % every < cfg.train.log_every else None)
     cfg, params, step = trainer.load_drafter_params(workdir)
     _, target_params = trainer.load_target_for(cfg, None)
-    deepspec.save_drafter(params, cfg.target, cfg.drafter, target_params, export, dtype=dtype)
+    deepspec.save_any(params, cfg.target, cfg.drafter, target_params, export, dtype=dtype)
     print(f"   exported step {step} to {export}; last {fmt(summary['last_metrics'])}", flush=True)
     return {**summary, "step": step}
 

@@ -35,10 +35,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from dspark_jax import bundled
-    from dspark_jax.formats import deepspec, eagle3
+    from dspark_jax.formats import deepspec
     from dspark_jax.training import trainer
-
-    savers = {"dspark": deepspec.save_drafter, "eagle3": eagle3.save_eagle3}  # by drafter.kind
 
     try:
         if args.drafter:
@@ -47,7 +45,7 @@ def main(argv=None) -> int:
             if Path(args.out).resolve() == Path(drafter).resolve():
                 raise DSparkError(f"--out {args.out}: is the drafter directory itself")
             tcfg, tparams, dcfg, params = deepspec.load_pair(target, drafter)
-            out = deepspec.save_drafter(params, tcfg, dcfg, tparams, args.out, dtype=args.dtype)
+            out = deepspec.save_any(params, tcfg, dcfg, tparams, args.out, dtype=args.dtype)
             if (Path(drafter) / "sts.json").is_file():
                 shutil.copy2(Path(drafter) / "sts.json", out / "sts.json")
             what = drafter
@@ -58,8 +56,8 @@ def main(argv=None) -> int:
                 cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
                                                                          target_dir=args.target))
             _, target_params = trainer.load_target_for(cfg, mesh=None)
-            out = savers[cfg.drafter.kind](params, cfg.target, cfg.drafter, target_params, args.out,
-                                           dtype=args.dtype)
+            out = deepspec.save_any(params, cfg.target, cfg.drafter, target_params, args.out,
+                                    dtype=args.dtype)
             what = f"step {step} of {args.checkpoint}"
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)

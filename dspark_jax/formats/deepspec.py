@@ -203,6 +203,15 @@ def save_drafter(dparams, tcfg: TargetConfig, dcfg: DrafterConfig, target_params
                              dtype or dcfg.dtype)
 
 
+def save_any(dparams, tcfg: TargetConfig, dcfg, target_params, out_dir: str | Path, *,
+             dtype: str | None = None) -> Path:
+    """`save_drafter`, or `eagle3.save_eagle3` for an Eagle3 drafter (by `dcfg.kind`)."""
+    from dspark_jax.formats import eagle3
+
+    save = {"dspark": save_drafter, "eagle3": eagle3.save_eagle3}[dcfg.kind]
+    return save(dparams, tcfg, dcfg, target_params, out_dir, dtype=dtype)
+
+
 def load_pair(target_dir: str | Path, drafter_dir: str | Path | None, mesh: Mesh | None = None):
     """(tcfg, target params, dcfg | None, drafter params | None) on `mesh`: a Hugging Face target
     read with the tapped layers and mask token the drafter names (checked against the target
