@@ -15,7 +15,8 @@ Schedulers: plain (the target alone), fixed1 = fixed(1), fixed = fixed(γ), gree
 concurrency c (the engine's slot count R) and scheduler one engine is built and warmed up (every
 program compiles; greedy and async load their SPS profile from the user's cache directory, or
 measure and cache it), one untimed pass decodes c requests of 8 tokens, then for each temperature a
-timed run decodes c x --requests-per-slot requests whose prompts cycle through the prompt files;
+timed run decodes c x --requests-per-slot requests whose prompts cycle through the prompt files
+taken in turn (one of each file, then the next of each: every level sees the domains mixed alike);
 a finished request's slot is refilled from the queue at once, so all slots stay full until it
 drains. Requests stop at the tokenizer's stop tokens (--ignore-eos: every request runs to
 --max-new-tokens, as serving benchmarks' flag of that name). The engines of one level are built
@@ -35,6 +36,7 @@ printed at the end), throughput.png (tokens/s and mean budget per request agains
 import argparse
 import dataclasses
 import gc
+import itertools
 import json
 import shlex
 import sys
@@ -48,6 +50,7 @@ SCHEDULERS = {"plain": None, "fixed1": ("fixed", 1), "fixed": ("fixed", 0),
               "greedy": ("greedy", 0), "async": ("async", 0)}
 BASELINES = ("plain", "fixed1", "fixed")
 WARM_TOKENS = 8
+PROMPT_ORDER = "round-robin over the prompt files"
 RECORDED = ("full_load_tokens_per_s", "output_tokens_per_s", "tokens_per_s_per_request", "tau",
             "acceptance_rate",
             "mean_verified", "mean_budget", "buckets", "rounds", "elapsed_s", "output_tokens",
@@ -176,13 +179,16 @@ def concurrency(args, command: str) -> dict:
                       sts=sts, **shape)
 
     probe = engine_for("plain", args.levels[0])  # its request checks hold for every engine
-    prompts, bad = [], 0
+    per_file, bad = [], 0
     for path in args.prompts:
         requests, _, errors = cli.read_requests(Path(path), tokenizer, probe.check_request,
                                                 max_new_tokens=1)
-        requests = requests[:args.limit] if args.limit else requests
-        prompts, bad = prompts + requests, bad + len(errors)
+        per_file.append(requests[:args.limit] if args.limit else requests)
+        bad += len(errors)
     del probe
+    # Round-robin over the files, so that every level's requests mix the domains alike (in file
+    # order the small levels would see only the first file's prompts).
+    prompts = [r for group in itertools.zip_longest(*per_file) for r in group if r is not None]
     if not prompts:
         raise DSparkError(f"no usable prompt in {', '.join(args.prompts)}")
     if any(len(p.prompt_ids) + args.max_new_tokens > max_len for p in prompts):
@@ -204,7 +210,8 @@ def concurrency(args, command: str) -> dict:
               "block_size": dcfg.proposal_length if dcfg else None, "max_len": max_len,
               "max_new_tokens": args.max_new_tokens, "requests_per_slot": args.requests_per_slot,
               "repeats": args.repeats, "ignore_eos": args.ignore_eos,
-              "prompt_files": args.prompts, "prompts": len(prompts), "bad_records": bad, "levels": args.levels,
+              "prompt_files": args.prompts, "prompt_order": PROMPT_ORDER, "prompts": len(prompts),
+              "bad_records": bad, "levels": args.levels,
               "temperatures": args.temperatures, "schedulers": args.schedulers, "rows": []}
     for c in args.levels:
         engines = {}

@@ -498,13 +498,16 @@ def reusable(path: Path, cargs) -> dict | None:
     """A concurrency report already in WORK measured with these settings at (at least) these
     levels, cut to them; None when there is none (a long sweep that stopped keeps what it measured
     up to the level it reached, written after every level)."""
+    from serve import bench
+
     if not path.is_file():
         return None
     saved = json.loads(path.read_text())
     wanted = {"max_new_tokens": cargs.max_new_tokens, "repeats": cargs.repeats,
               "requests_per_slot": cargs.requests_per_slot, "temperatures": cargs.temperatures,
               "schedulers": cargs.schedulers, "max_len": cargs.max_len,
-              "drafter": str(Path(cargs.drafter).resolve()), "ignore_eos": cargs.ignore_eos}
+              "drafter": str(Path(cargs.drafter).resolve()), "ignore_eos": cargs.ignore_eos,
+              "prompt_order": bench.PROMPT_ORDER}
     same = all(saved.get(key) == value for key, value in wanted.items())
     measured = {r["level"] for r in saved.get("rows", [])}
     if not same or not set(cargs.levels) <= measured:
