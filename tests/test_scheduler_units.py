@@ -378,12 +378,14 @@ def test_choose_bucket_overhead_lowers_the_price_of_verifying_more():
     table = BucketTable({2: 1.0, 5: 4.0}, {1: 1.0})
     est = np.full((1, 4), 0.5)  # bucket 5: 1 + 2 tokens; bucket 2: 1.5; plain: 1
     assert table.choose(est, 1) == ("spec", 2)  # 1.5 / 1 beats 3 / 4 and 1 / 1
-    assert table.choose(est, 1, overhead=4.0) == ("spec", 5)  # 3 / 8 beats 1.5 / 5 and 1 / 5
+    assert table.choose(est, 1, overhead={"spec": 4.0, "plain": 4.0}) == ("spec", 5)  # 3/8 > 1.5/5, 1/5
+    assert table.choose(est, 1, overhead={"spec": 4.0}) == ("plain", 1)  # 1 / 1 beats 3 / 8
 
 
 def test_async_measures_the_overhead_between_dispatches():
     """The async policy's overhead: the wall time between dispatches beyond the profiled round,
-    averaged; idle gaps are clipped and a new generate call does not count the time since the last."""
+    averaged per kind of round; idle gaps are clipped and a new generate call does not count the
+    time since the last."""
     from dspark_jax.decoding import policies
 
     rounds, now = [], [0.0]
@@ -393,11 +395,12 @@ def test_async_measures_the_overhead_between_dispatches():
     for _ in range(200):
         policy.dispatch([0], lambda: [4])
         now[0] += 1.0 + 0.25  # the profile says 1.0 for every bucket
-    assert policy.overhead == pytest.approx(0.25, rel=1e-6)
+    assert rounds[-1][0] == "topk"  # every round proposes here: only that kind was measured
+    assert policy.overhead["spec"] == pytest.approx(0.25, rel=1e-6) and policy.overhead["plain"] == 0
     now[0] += 1000.0  # idle: clipped to OVERHEAD_CAP x the round
     policy.dispatch([0], lambda: [4])
-    assert policy.overhead == pytest.approx(0.9 * 0.25 + 0.1 * policy.OVERHEAD_CAP, rel=1e-6)
-    before = policy.overhead
+    assert policy.overhead["spec"] == pytest.approx(0.9 * 0.25 + 0.1 * policy.OVERHEAD_CAP, rel=1e-6)
+    before = dict(policy.overhead)
     policy.starting()
     now[0] += 1000.0
     policy.dispatch([0], lambda: [4])  # the first of a run: nothing to measure yet

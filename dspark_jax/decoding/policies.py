@@ -100,11 +100,12 @@ class AsyncPolicy(Policy):
     rounds already committed, so it cannot bias the output.
 
     The profile times rounds alone; a running engine also pays, between rounds, the prefills of
-    the requests it admits and its host loop. That overhead is measured as it runs: the time
-    between consecutive dispatches (one round in flight, so one round's wall time) minus the
-    profiled time of the round dispatched, clipped to [0, OVERHEAD_CAP x that time] (an idle gap
-    is not a cost of the round) and averaged with weight OVERHEAD_DECAY per round; the search adds
-    it to every bucket. Without it the profile overstates how much more a bigger bucket costs.
+    the requests it admits and its host loop. That overhead is measured as it runs, per kind of
+    round (with and without a proposal): the time between consecutive dispatches (one round in
+    flight, so one round's wall time) minus the profiled time of the round dispatched, clipped to
+    [0, OVERHEAD_CAP x that time] (an idle gap is not a cost of the round) and averaged with weight
+    OVERHEAD_DECAY per round of the kind; the search adds it to that kind's buckets. A kind not yet
+    run keeps the profile's word.
     """
 
     DECAY = 0.98
@@ -129,8 +130,9 @@ class AsyncPolicy(Policy):
         self.table = None  # (profile, BucketTable of the compiled buckets)
         self.pending = []  # round outputs read since the last decision
         self.clock = time.perf_counter
-        self.overhead = 0.0  # measured seconds per round beyond the profile (see the docstring)
-        self.dispatched = None  # (clock, profiled seconds) of the last dispatch
+        # measured seconds per round beyond the profile, per kind (see the docstring)
+        self.overhead = {"spec": 0.0, "plain": 0.0}
+        self.dispatched = None  # (clock, profiled seconds, kind) of the last dispatch
 
     def programs(self):
         return super().programs() + [("topk", F) for F in self.engine.spec_buckets] + [("flush",)]
@@ -151,7 +153,7 @@ class AsyncPolicy(Policy):
             self._decide(live, rooms)
         self.age += 1
         kind, F, _ = self.last
-        self._time_round(e.profile.plain[F] if kind == "plain" else e.profile.spec[F])
+        self._time_round(*((e.profile.plain[F], "plain") if kind == "plain" else (e.profile.spec[F], "spec")))
         if kind == "plain":
             self.since_spec += 1
             self.plain_run += 1
@@ -162,14 +164,15 @@ class AsyncPolicy(Policy):
     def starting(self):
         self.dispatched = None
 
-    def _time_round(self, profiled: float) -> None:
-        """Folds the wall time since the last dispatch into the overhead estimate."""
+    def _time_round(self, profiled: float, kind: str) -> None:
+        """Folds the wall time since the last dispatch into the overhead of that round's kind."""
         now = self.clock()
         if self.dispatched is not None:
-            then, expected = self.dispatched
+            then, expected, last = self.dispatched
             extra = min(max(now - then - expected, 0.0), self.OVERHEAD_CAP * expected)
-            self.overhead = self.OVERHEAD_DECAY * self.overhead + (1 - self.OVERHEAD_DECAY) * extra
-        self.dispatched = (now, profiled)
+            self.overhead[last] = (self.OVERHEAD_DECAY * self.overhead[last]
+                                   + (1 - self.OVERHEAD_DECAY) * extra)
+        self.dispatched = (now, profiled, kind)
 
     def _decide(self, live, rooms) -> None:
         probe = self.since_spec >= self.probe_every
@@ -194,7 +197,7 @@ class AsyncPolicy(Policy):
         est[np.arange(est.shape[1]) >= np.asarray(rooms)[:, None]] = 0.0
         # A proposal at least every PROBE_EVERY rounds, so that the estimates stay current.
         return self.table[1].choose(est, len(live), plain=self.since_spec < self.probe_every,
-                                    overhead=self.overhead)
+                                    overhead=dict(self.overhead))
 
     def admitted(self, slot):
         self._absorb()  # rounds read so far may still describe the slot's previous request

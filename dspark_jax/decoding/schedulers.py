@@ -177,21 +177,23 @@ class BucketTable:
         self.plain_F = np.asarray(sorted(plain_seconds), np.int64)
         self.plain_s = np.asarray([plain_seconds[F] for F in self.plain_F], np.float64)
 
-    def choose(self, estimates: np.ndarray, num_live: int, plain: bool = True, overhead: float = 0.0
-               ) -> tuple[str, int]:
-        """`overhead`: seconds every round costs beyond its profiled time (prefills between rounds,
-        the host), added to every bucket: it shrinks the relative cost of verifying more."""
+    def choose(self, estimates: np.ndarray, num_live: int, plain: bool = True,
+               overhead: dict[str, float] | None = None) -> tuple[str, int]:
+        """`overhead` {"spec": s, "plain": s}: seconds a round of that kind costs beyond its
+        profiled time (prefills between rounds, the host), added to each of its buckets."""
+        overhead = overhead or {}
+        extra_spec, extra_plain = overhead.get("spec", 0.0), overhead.get("plain", 0.0)
         pool = -np.sort(-np.clip(np.ravel(estimates), 0.0, 1.0))
         gain = np.concatenate([[0.0], np.cumsum(pool)])
         fits = self.spec_F > num_live
         best = ("spec", int(self.spec_F[-1]), -1.0)
         if fits.any():
             F = self.spec_F[fits]
-            theta = (num_live + gain[np.minimum(F - num_live, len(pool))]) / (self.spec_s[fits] + overhead)
+            theta = (num_live + gain[np.minimum(F - num_live, len(pool))]) / (self.spec_s[fits] + extra_spec)
             i = int(np.argmax(theta))
             best = ("spec", int(F[i]), float(theta[i]))
         if plain and len(self.plain_F):
             i = int(np.searchsorted(self.plain_F, num_live))
-            if num_live / (self.plain_s[i] + overhead) >= best[2]:
+            if num_live / (self.plain_s[i] + extra_plain) >= best[2]:
                 return "plain", int(self.plain_F[i])
         return best[0], best[1]
