@@ -25,14 +25,14 @@ from dspark_jax.decoding.schedulers import SchedulerConfig
 from dspark_jax.decoding.state import Eagle3Context, RoundOutput
 from dspark_jax.formats import deepspec
 from dspark_jax.formats import eagle3 as eagle3_format
-from dspark_jax.formats.records import encode_chat_prompt, encode_prompt_record
+from dspark_jax.formats.records import encode_prompt_record
 from dspark_jax.formats.tokenizer import load_tokenizer
 from dspark_jax.models import eagle3
 from dspark_jax.models.target import forward, target_spec
 from dspark_jax.params import init_params
 from dspark_jax.training import trainer
 from tests.test_decode_cli import decode_cli, read_jsonl
-from tests.test_engine import SMALL, assert_same, cheap_spec_profile, run, scheduler_id
+from tests.test_engine import SMALL, assert_same, cheap_spec_profile, ragged_requests, run, scheduler_id
 from tests.test_train import overrides
 
 TRAIN_STEPS = 120
@@ -61,18 +61,7 @@ def pair(tiny_target, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def requests(pair):
-    """Chat prompts of ragged lengths and a few raw ones, with mixed budgets (as test_engine's)."""
-    tok = pair[7]
-    rng = np.random.default_rng(0)
-    asks = ["Count from 3 to 17.", "Repeat 'green river' 4 times.", "Continue the pattern: stone paper",
-            "Count from 21 to 30.", "Repeat 'music' 5 times.", "Continue the pattern: a b c"]
-    out = []
-    for i in range(12):
-        ids = encode_chat_prompt(tok, [{"role": "user", "content": asks[i % len(asks)] * (1 + i % 3)}])
-        if i % 4 == 3:
-            ids = tok.encode("raw prompt number " * (1 + i % 5))
-        out.append(Request(id=str(i), prompt_ids=tuple(ids), max_new_tokens=int(rng.integers(1, 40))))
-    return out
+    return ragged_requests(pair[7])  # test_engine's
 
 
 @pytest.fixture(scope="module")

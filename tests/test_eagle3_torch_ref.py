@@ -19,6 +19,8 @@ pytest.importorskip("transformers", reason="the torch reference needs transforme
 
 from safetensors.torch import load_file  # noqa: E402
 
+from tests.test_torch_ref_golden import _close as _close_tensors  # noqa: E402
+from tests.test_torch_ref_golden import _exact as _exact_tensors  # noqa: E402
 from tests.torch_ref.eagle3_ref import (  # noqa: E402
     Eagle3Cache,
     load_eagle3_ref,
@@ -35,19 +37,11 @@ ATOL = 1e-4
 
 
 def _close(name, got, want, mask=None, atol=ATOL):
-    got, want = torch.as_tensor(got), torch.as_tensor(want)
-    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    diff = (got.double() - want.double()).abs()
-    if mask is not None:
-        diff = diff[mask]
-    err = diff.max().item() if diff.numel() else 0.0
-    assert err <= atol, f"{name}: max abs err {err:.3g} > {atol}"
+    _close_tensors(name, torch.as_tensor(got), torch.as_tensor(want), mask, atol)
 
 
 def _exact(name, got, want):
-    got, want = torch.as_tensor(got), torch.as_tensor(want)
-    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    assert torch.equal(got.long(), want.long()), f"{name}:\n got {got.tolist()}\nwant {want.tolist()}"
+    _exact_tensors(name, torch.as_tensor(got), torch.as_tensor(want))
 
 
 @pytest.fixture(scope="module")

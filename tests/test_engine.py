@@ -23,8 +23,11 @@ def pair(engine_pair):
 
 @pytest.fixture(scope="module")
 def requests(pair):
+    return ragged_requests(pair[5])
+
+
+def ragged_requests(tok) -> list[Request]:
     """Chat prompts of ragged lengths, and a few raw ones, with mixed budgets."""
-    tok = pair[5]
     rng = np.random.default_rng(0)
     asks = ["Count from 3 to 17.", "Repeat 'green river' 4 times.", "Continue the pattern: stone paper",
             "Count from 21 to 30.", "Repeat 'music' 5 times.", "Continue the pattern: a b c"]
