@@ -48,14 +48,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class DraftAttention(nn.Module):
     """Attention with KV injection: K/V = [proj(ctx) ; proj(block)], queries from the block only."""
 
-    def __init__(self, cfg: Qwen3Config):
+    def __init__(self, cfg: Qwen3Config, in_features: int | None = None):
         super().__init__()
         d, hd = cfg.hidden_size, cfg.head_dim
+        width = in_features or d  # what q/k/v read (Eagle3's layer: 2d)
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
         bias = bool(getattr(cfg, "attention_bias", False))
-        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(d, self.n_kv * hd, bias=bias)
-        self.v_proj = nn.Linear(d, self.n_kv * hd, bias=bias)
+        self.q_proj = nn.Linear(width, self.n_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(width, self.n_kv * hd, bias=bias)
+        self.v_proj = nn.Linear(width, self.n_kv * hd, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=bias)
         self.q_norm = Qwen3RMSNorm(hd, eps=cfg.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(hd, eps=cfg.rms_norm_eps)

@@ -43,7 +43,7 @@ from safetensors.torch import load_file
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
 
-from tests.torch_ref.dspark_ref import _rope_theta, apply_rope, load_target, rope_cos_sin
+from tests.torch_ref.dspark_ref import DraftAttention, apply_rope, load_target, rope_cos_sin
 
 __all__ = [
     "Eagle3Ref", "Eagle3Cache", "TTTOutputs", "ChainOutputs", "load_eagle3_ref", "load_target",
@@ -55,21 +55,11 @@ __all__ = [
 # the layer
 
 
-class Eagle3Attention(nn.Module):
+class Eagle3Attention(DraftAttention):
     """Qwen3 attention whose q/k/v read the 2d-wide [normed embedding; normed hidden] input."""
 
     def __init__(self, cfg: Qwen3Config):
-        super().__init__()
-        d, hd = cfg.hidden_size, cfg.head_dim
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
-        bias = bool(getattr(cfg, "attention_bias", False))
-        self.q_proj = nn.Linear(2 * d, self.n_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(2 * d, self.n_kv * hd, bias=bias)
-        self.v_proj = nn.Linear(2 * d, self.n_kv * hd, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=bias)
-        self.q_norm = Qwen3RMSNorm(hd, eps=cfg.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(hd, eps=cfg.rms_norm_eps)
-        self.theta = float(_rope_theta(cfg))
+        super().__init__(cfg, in_features=2 * cfg.hidden_size)
 
     def qkv(self, x: torch.Tensor, pos: torch.Tensor):
         """x [B,T,2d], pos [B,T] -> rotated q [B,H,T,hd], rotated k [B,KV,T,hd], v [B,KV,T,hd]."""
