@@ -24,6 +24,7 @@ import yaml
 from dspark_jax.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16")
+LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -33,7 +34,7 @@ def _require(ok: bool, key: str, message: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
-    """The Qwen3 target (Hugging Face config.json names) and the drafter-side facts about it."""
+    """The target (Hugging Face config.json names) and the drafter-side facts about it."""
 
     vocab_size: int
     hidden_size: int
@@ -51,6 +52,18 @@ class TargetConfig:
     # Layer ids whose outputs the drafter reads (-1: embedding output; the last layer is not allowed).
     target_layer_ids: tuple[int, ...] = ()
     mask_token_id: int = 0
+    # The Gemma4 text family (DESIGN §2b); every default is Qwen3's. Gemma4 mixes sliding-window
+    # and full layers: `rope_theta`, `head_dim` and `num_key_value_heads` describe the sliding ones,
+    # the `global_*` fields and `partial_rotary_factor` the full ones ("proportional" RoPE).
+    family: Literal["qwen3", "gemma4"] = "qwen3"
+    layer_types: tuple[str, ...] = ()  # per layer "sliding_attention" | "full_attention"; () = all full
+    sliding_window: int = 0  # keys a sliding layer sees, the query itself included
+    global_rope_theta: float = 0.0  # full layers' RoPE theta (0: rope_theta)
+    global_head_dim: int = 0  # full layers' head dim (0: head_dim)
+    num_global_key_value_heads: int = 0  # full layers' KV heads (0: num_key_value_heads)
+    attention_k_eq_v: bool = False  # full layers take the raw key projection as the value
+    partial_rotary_factor: float = 1.0  # fraction of a full layer's head dim that is rotated
+    final_logit_softcapping: float = 0.0  # cap * tanh(logits / cap); 0 = none
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -73,6 +86,34 @@ class TargetConfig:
                  f"layers (-1 is the embedding output; the last layer {last} is not allowed)")
         _require(0 <= self.mask_token_id < self.vocab_size, "mask_token_id",
                  f"{self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        types_ = self.layer_types
+        _require(not types_ or len(types_) == self.num_hidden_layers, "layer_types",
+                 f"has {len(types_)} entries for {self.num_hidden_layers} layers")
+        bad = sorted(set(types_) - set(LAYER_TYPES))
+        _require(not bad, "layer_types", f"unknown types {bad}; expected {list(LAYER_TYPES)}")
+        _require(not types_ or types_[-1] == "full_attention", "layer_types",
+                 "the last layer must be full_attention")
+        _require(self.sliding_window >= 0, "sliding_window", f"must be >= 0, got {self.sliding_window}")
+        _require("sliding_attention" not in types_ or self.sliding_window > 0, "sliding_window",
+                 "must be positive when layer_types has sliding_attention layers")
+        _require(0.0 < self.partial_rotary_factor <= 1.0, "partial_rotary_factor",
+                 f"must lie in (0, 1], got {self.partial_rotary_factor}")
+        _require(self.final_logit_softcapping >= 0, "final_logit_softcapping",
+                 f"must be >= 0, got {self.final_logit_softcapping}")
+        _require(self.full_head_dim % 2 == 0, "global_head_dim",
+                 f"must be even for RoPE, got {self.full_head_dim}")
+        _require(self.num_attention_heads % self.full_kv_heads == 0, "num_global_key_value_heads",
+                 f"{self.num_attention_heads} heads are not a multiple of {self.full_kv_heads}")
+        if self.family == "qwen3":
+            gemma_only = {"sliding layers": "sliding_attention" in types_,
+                          "attention_k_eq_v": self.attention_k_eq_v,
+                          "global_head_dim": self.global_head_dim not in (0, self.head_dim),
+                          "num_global_key_value_heads":
+                              self.num_global_key_value_heads not in (0, self.num_key_value_heads),
+                          "partial_rotary_factor": self.partial_rotary_factor != 1.0,
+                          "final_logit_softcapping": self.final_logit_softcapping != 0.0}
+            bad = [k for k, on in gemma_only.items() if on]
+            _require(not bad, "family", f"qwen3 has no {', '.join(bad)} (family gemma4 has)")
 
     @property
     def num_taps(self) -> int:
@@ -81,6 +122,29 @@ class TargetConfig:
     @property
     def q_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    @property
+    def sliding_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_sliding(i))
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if not self.is_sliding(i))
+
+    @property
+    def full_head_dim(self) -> int:
+        return self.global_head_dim or self.head_dim
+
+    @property
+    def full_kv_heads(self) -> int:
+        return self.num_global_key_value_heads or self.num_key_value_heads
+
+    @property
+    def full_rope_theta(self) -> float:
+        return self.global_rope_theta or self.rope_theta
 
 
 @dataclasses.dataclass(frozen=True)

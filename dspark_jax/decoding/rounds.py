@@ -59,7 +59,7 @@ from dspark_jax.decoding.state import (
     Verified,
 )
 from dspark_jax.models.drafter import DraftCache, extend_context, propose
-from dspark_jax.models.target import KVCache, forward, forward_flat
+from dspark_jax.models.target import forward, forward_flat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,11 +120,9 @@ def prefill(shape: EngineShape, state: EngineState, tparams, dparams, slot_idx, 
     take = jnp.minimum(slot_idx, R - 1)
     positions = jnp.broadcast_to(jnp.arange(P), (J, P))
     valid = positions < lengths[:, None]
-    sub = KVCache(k=state.target_cache.k[:, take], v=state.target_cache.v[:, take])
-    out = forward(tparams, tcfg, tokens, positions, cache=sub, valid=valid,
-                  logit_index=(lengths - 1)[:, None])
-    tc = KVCache(k=state.target_cache.k.at[:, slot_idx].set(out.cache.k, mode="drop"),
-                 v=state.target_cache.v.at[:, slot_idx].set(out.cache.v, mode="drop"))
+    out = forward(tparams, tcfg, tokens, positions, cache=state.target_cache.take_rows(take),
+                  valid=valid, logit_index=(lengths - 1)[:, None])
+    tc = state.target_cache.put_rows(slot_idx, out.cache)
     probs = target_probs(out.logits[:, 0], temperature, top_p, top_k)
     first = sample(row_keys(state.key, seed, lengths, FIRST_TOKEN), probs)
     dc = state.draft_cache

@@ -22,7 +22,7 @@ from dspark_jax.decoding.acceptance import accept
 from dspark_jax.decoding.schedulers import SchedulerConfig
 from dspark_jax.models.drafter import DraftCache
 from dspark_jax.models.eagle3 import Eagle3Cache
-from dspark_jax.models.target import KVCache, param_dtype
+from dspark_jax.models.target import KVCache, new_cache, param_dtype
 from dspark_jax.sharding import logical_to_spec
 
 RUNNING, STOP, LENGTH, CONTEXT = 0, 1, 2, 3
@@ -200,7 +200,8 @@ def init_state(shape: EngineShape, seed: int, mesh: Mesh | None = None) -> Engin
         pending = PendingContext(
             taps=np.zeros((R, shape.pending, tcfg.num_taps * tcfg.hidden_size), param_dtype(tcfg)),
             count=np.zeros(R, np.int32))
-    state = EngineState(slots=slots, target_cache=KVCache.create(shape.tcfg, R, shape.max_len),
+    target_cache = new_cache(shape.tcfg, R, shape.max_len, max_step=1 + shape.max_verify)
+    state = EngineState(slots=slots, target_cache=target_cache,
                         draft_cache=draft, pending=pending, key=jax.random.key(seed))
     if mesh is None:
         return jax.tree.map(jnp.asarray, state)
@@ -213,7 +214,9 @@ def init_state(shape: EngineShape, seed: int, mesh: Mesh | None = None) -> Engin
         draft_shard = Eagle3Context(cache=Eagle3Cache(k=one, v=one), hidden=replicated)
     else:
         draft_shard = None if draft is None else DraftCache(k=cache, v=cache)
-    shard = shard.replace(target_cache=KVCache(k=cache, v=cache), draft_cache=draft_shard)
+    target_shard = jax.tree.map(lambda axes: NamedSharding(mesh, logical_to_spec(axes)),
+                                target_cache.logical_axes(), is_leaf=lambda x: isinstance(x, tuple))
+    shard = shard.replace(target_cache=target_shard, draft_cache=draft_shard)
     return jax.device_put(state, shard)
 
 

@@ -56,7 +56,9 @@ class KVCache:
     v: jax.Array  # [L, B, S, K, H]
 
     @classmethod
-    def create(cls, cfg: TargetConfig, batch: int, max_len: int) -> "KVCache":
+    def create(cls, cfg: TargetConfig, batch: int, max_len: int, max_step: int = 1) -> "KVCache":
+        """An empty cache of `batch` rows and `max_len` positions. `max_step` (the most tokens one
+        row adds in a decode call) sizes what a family keeps for its sliding layers; unused here."""
         shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
         zeros = jnp.zeros(shape, param_dtype(cfg))
         return cls(k=zeros, v=jnp.zeros_like(zeros))  # distinct buffers: both are donated
@@ -64,6 +66,27 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return self.k.shape[2]
+
+    # The engine touches a cache only through these, so a family may lay its cache out as it needs.
+    def take_rows(self, rows: jax.Array) -> "KVCache":
+        """The cache of requests `rows` [J] (a batch of J rows)."""
+        return KVCache(k=self.k[:, rows], v=self.v[:, rows])
+
+    def put_rows(self, rows: jax.Array, sub: "KVCache") -> "KVCache":
+        """This cache with rows `rows` [J] replaced by `sub`'s (out-of-range rows are dropped)."""
+        return KVCache(k=self.k.at[:, rows].set(sub.k, mode="drop"),
+                       v=self.v.at[:, rows].set(sub.v, mode="drop"))
+
+    @staticmethod
+    def logical_axes() -> "KVCache":
+        """The logical axes of each array (sharding rules map them onto a mesh)."""
+        axes = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+        return KVCache(k=axes, v=axes)
+
+
+def new_cache(cfg: TargetConfig, batch: int, max_len: int, max_step: int = 1):
+    """An empty decode cache of the target's family (see `KVCache` for the interface)."""
+    return KVCache.create(cfg, batch, max_len, max_step)
 
 
 @struct.dataclass
