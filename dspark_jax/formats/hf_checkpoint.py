@@ -94,6 +94,39 @@ def layer_key_map(cfg: TargetConfig, num_layers: int, prefix: str, path: str = "
     return out
 
 
+def gemma4_layer_key_map(cfg: TargetConfig, layer_ids: list[int], sliding: bool, prefix: str,
+                         path: str) -> list[TensorMap]:
+    """Keys of Gemma4 decoder layers of one type: checkpoint layer `layer_ids[i]` is entry i of our
+    stack at `path` (names in `models/gemma4_layers.py`). Shared by the target and the drafter."""
+    from dspark_jax.models.gemma4_layers import layer_geometry
+
+    d, f, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
+    k, h, has_v = layer_geometry(cfg, sliding)
+    out = []
+    for i, layer in enumerate(layer_ids):
+        p = f"{prefix}layers.{layer}."
+        rows = [
+            ("input_layernorm.weight", "attn_norm", (d,), _identity, _identity),
+            ("self_attn.q_proj.weight", "wq", (n * h, d), *_heads_in(n, h)),
+            ("self_attn.k_proj.weight", "wk", (k * h, d), *_heads_in(k, h)),
+            ("self_attn.o_proj.weight", "wo", (d, n * h), *_heads_out(n, h)),
+            ("self_attn.q_norm.weight", "q_norm", (h,), _identity, _identity),
+            ("self_attn.k_norm.weight", "k_norm", (h,), _identity, _identity),
+            ("post_attention_layernorm.weight", "post_attn_norm", (d,), _identity, _identity),
+            ("pre_feedforward_layernorm.weight", "mlp_norm", (d,), _identity, _identity),
+            ("post_feedforward_layernorm.weight", "post_mlp_norm", (d,), _identity, _identity),
+            ("layer_scalar", "layer_scalar", (1,), _identity, _identity),
+            ("mlp.gate_proj.weight", "w_gate", (f, d), _transpose, _transpose),
+            ("mlp.up_proj.weight", "w_up", (f, d), _transpose, _transpose),
+            ("mlp.down_proj.weight", "w_down", (d, f), _transpose, _transpose),
+        ]
+        if has_v:
+            rows.insert(3, ("self_attn.v_proj.weight", "wv", (k * h, d), *_heads_in(k, h)))
+        out += [TensorMap(p + key, f"{path}/{name}", i, shape, a, b)
+                for key, name, shape, a, b in rows]
+    return out
+
+
 def target_key_map(cfg: TargetConfig) -> list[TensorMap]:
     """Every tensor of a Hugging Face Qwen3ForCausalLM checkpoint."""
     V, d = cfg.vocab_size, cfg.hidden_size

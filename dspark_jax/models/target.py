@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dspark_jax.config import TargetConfig
+from dspark_jax.models.gemma4_layers import softcap
 from dspark_jax.models.layers import attention, project_qkv, rms_norm, rope, swiglu
 from dspark_jax.params import ArrayInfo
 
@@ -98,12 +99,14 @@ class TargetOutput:
 
 
 def lm_head(params, cfg: TargetConfig, hidden_btd: jax.Array) -> jax.Array:
-    """float32 logits [..., V] from final hidden states."""
+    """float32 logits [..., V] from final hidden states (soft-capped when the family caps them)."""
     if cfg.tie_word_embeddings:
-        return jnp.einsum("...d,vd->...v", hidden_btd, params["embed"],
-                          preferred_element_type=jnp.float32)
-    return jnp.einsum("...d,dv->...v", hidden_btd, params["lm_head"],
-                      preferred_element_type=jnp.float32)
+        logits = jnp.einsum("...d,vd->...v", hidden_btd, params["embed"],
+                            preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("...d,dv->...v", hidden_btd, params["lm_head"],
+                            preferred_element_type=jnp.float32)
+    return softcap(logits, cfg.final_logit_softcapping)
 
 
 def _run_layers(params, cfg: TargetConfig, x: jax.Array, positions: jax.Array, attend, kv):
