@@ -203,7 +203,7 @@ def test_golden_gemma4_template_matches_transformers(enable_thinking: bool) -> N
     if not (GEMMA4_DIR / "chat_template.jinja").is_file():
         pytest.skip(f"golden Gemma4 target not found at {GEMMA4_DIR}")
     ours, oracle = load_tokenizer(GEMMA4_DIR), AutoTokenizer.from_pretrained(GEMMA4_DIR)
-    assert ours.chat_template.family is None  # no Gemma row in FAMILIES yet: decoding only
+    assert ours.chat_template.family is FAMILIES["gemma4"]  # records: tests/test_gemma4_records.py
     history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
     for record, messages in (({"turns": ["Hello there"]}, history[1:]), ({"conversations": history}, history)):
         rec = encode_prompt_record(ours, record, enable_thinking=enable_thinking)

@@ -15,9 +15,11 @@ or AddedToken objects with ``"content"``). Message keys whose value is None are 
 does, so the same messages render to the same text.
 
 Which family: :data:`FAMILIES`, keyed by name, says how a rendered conversation marks an assistant
-turn (for the training loss mask) and what system prompt DeepSpec's parser prepends. A template is
-of the first family whose ``marker`` it contains; a family without a default system prompt (Gemma's,
-say) is a new row.
+turn (for the training loss mask), what system prompt DeepSpec's parser prepends and what text it
+puts before every assistant answer and leaves out of the loss. A template is of the first family
+whose ``marker`` it contains. Two rows, as DeepSpec's parser has them: ``qwen`` (ChatML turns, the
+system prompt "You are a helpful assistant.", no prefix) and ``gemma4`` (``<|turn>`` turns, the
+assistant's role named ``model``, no system prompt, the empty thought channel as prefix).
 
 :data:`CHATML_TEMPLATE` is the fallback for checkpoints without a template; :data:`TINY_CHAT_TEMPLATE`
 is the Qwen3-style template the tiny test/demo tokenizer ships (no ``<think>`` blocks at all, since
@@ -56,6 +58,9 @@ class TemplateFamily:
     assistant_start: str  # opens an assistant turn in the rendered text
     turn_end: str  # closes a turn, its trailing newline included
     default_system_prompt: str | None  # prepended to training conversations without their own
+    # Put before every assistant text of a training conversation that does not start with it, and
+    # left out of the loss where it opens an assistant turn ("": none).
+    assistant_loss_prefix: str
 
 
 FAMILIES: dict[str, TemplateFamily] = {
@@ -65,6 +70,16 @@ FAMILIES: dict[str, TemplateFamily] = {
         assistant_start="<|im_start|>assistant\n",
         turn_end="<|im_end|>\n",
         default_system_prompt="You are a helpful assistant.",
+        assistant_loss_prefix="",
+    ),
+    "gemma4": TemplateFamily(
+        name="gemma4",
+        marker="<|turn>",
+        assistant_start="<|turn>model\n",
+        turn_end="<turn|>\n",
+        default_system_prompt=None,
+        # The empty thought channel: the answer of a turn with thinking off.
+        assistant_loss_prefix="<|channel>thought\n<channel|>",
     ),
 }
 

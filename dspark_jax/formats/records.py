@@ -17,19 +17,25 @@ names a record, else its 0-based index in the file):
 Chats are rendered with the tokenizer's chat template (:mod:`dspark_jax.formats.chat_template`) and
 the text is encoded as one string, as transformers' ``apply_chat_template(tokenize=True)`` does.
 
-Training records are built as DeepSpec's parser builds them (DESIGN §9):
+Training records are built as DeepSpec's parser builds them (DESIGN §9), with the template
+family's settings (:data:`~dspark_jax.formats.chat_template.FAMILIES`):
 
-1. the template family's default system prompt (Qwen: "You are a helpful assistant.") is prepended
-   unless the conversation starts with its own system message;
+1. the family's default system prompt (Qwen: "You are a helpful assistant."; Gemma4: none) is
+   prepended unless the conversation starts with its own system message;
 2. after the system message the first message must be the user's;
-3. the conversation is rendered whole: ``add_generation_prompt=False``, ``enable_thinking`` passed
-   only when the training config sets it;
+3. every assistant message gets the family's loss prefix (Qwen: none; Gemma4: the empty thought
+   channel ``<|channel>thought\\n<channel|>``) put before its text unless the text starts with it
+   (with a prefix, an assistant message must have text content); then the conversation is
+   rendered whole: ``add_generation_prompt=False``, ``enable_thinking`` passed only when the
+   training config sets it;
 4. ``input_ids = encode(text)`` (the dataset cuts them to ``max_length``);
-5. for every match of the family's assistant header (Qwen: ``<|im_start|>assistant\\n``) followed
-   by the shortest text ending in its turn end (``<|im_end|>\\n``) or the end of the text, with
-   ``content_start`` just after the header and ``content_end`` at the end of the match, the loss
-   mask covers tokens ``len(encode(text[:content_start]))`` to ``len(encode(text[:content_end]))``:
-   the assistant's content with whatever the template put in it, ``<|im_end|>`` and its newline.
+5. for every match of the family's assistant header (Qwen: ``<|im_start|>assistant\\n``; Gemma4:
+   ``<|turn>model\\n``) followed by the shortest text ending in its turn end (``<|im_end|>\\n``;
+   ``<turn|>\\n``) or the end of the text, with ``content_start`` just after the header (and after
+   the loss prefix when the content starts with it) and ``content_end`` at the end of the match,
+   the loss mask covers tokens ``len(encode(text[:content_start]))`` to
+   ``len(encode(text[:content_end]))``: the assistant's content with whatever the template put in
+   it (the prefix left out), the turn end and its newline.
 """
 
 from __future__ import annotations
@@ -338,7 +344,36 @@ def _template_family(tokenizer: Tokenizer) -> TemplateFamily:
 def supervised_spans(text: str, family: TemplateFamily) -> list[tuple[int, int]]:
     """[content_start, content_end) of every assistant turn of ``text`` (rule 5)."""
     turn = re.compile(re.escape(family.assistant_start) + "(.*?)(?:" + re.escape(family.turn_end) + r"|\Z)", re.DOTALL)
-    return [(m.start(1), m.end()) for m in turn.finditer(text)]
+    prefix = family.assistant_loss_prefix
+    spans = []
+    for m in turn.finditer(text):
+        start = m.start(1)
+        if prefix and text.startswith(prefix, start, m.end()):
+            start += len(prefix)
+        spans.append((start, m.end()))
+    return spans
+
+
+def _with_loss_prefix(messages: list[dict[str, Any]], family: TemplateFamily,
+                      where: str) -> list[dict[str, Any]]:
+    """``messages`` with the family's loss prefix put before every assistant text that does not
+    start with it (rule 3)."""
+    prefix = family.assistant_loss_prefix
+    if not prefix:
+        return messages
+    out = []
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            content = message.get("content")
+            if not isinstance(content, str):  # normalize_messages lets tool calls go without text
+                raise DataError(_prefix(where, (
+                    f"message {i}: an assistant message needs text 'content' in the {family.name} chat "
+                    f"template family, which puts {prefix!r} before every answer; this one has "
+                    f"{'only tool_calls' if 'tool_calls' in message else 'none'}")))
+            if not content.startswith(prefix):
+                message = {**message, "content": prefix + content}
+        out.append(message)
+    return out
 
 
 def conversation_example(
@@ -356,6 +391,7 @@ def conversation_example(
     if not messages:
         raise DataError(_prefix(where, "conversation has no messages"))
     family = _template_family(tokenizer)
+    messages = _with_loss_prefix(messages, family, where)
     default = family.default_system_prompt if system_prompt is None else system_prompt
     if messages[0]["role"] != "system" and default:
         messages.insert(0, {"role": "system", "content": default})
