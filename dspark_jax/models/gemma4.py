@@ -8,8 +8,9 @@ The two layer types have different shapes, so no single stack can be scanned. Th
 the shortest period of `layer_types` that repeats to the end (Gemma4-12B: 5 sliding + 1 full, 8
 periods); a `lax.scan` runs over periods and the period's layers are unrolled inside it. Compile
 time follows the period, not the depth: 6 layers' worth of HLO for the 12B in every prefill and
-verification program, against 48 for a plain unrolled loop. A pattern that never repeats (the tiny
-golden target) is one period, i.e. fully unrolled.
+verification program, against 48 for a plain unrolled loop (a decode step of a 48-layer,
+12B-patterned, tiny-width model compiles in 6.4 s of CPU this way, 28.5 s unrolled). A pattern that
+never repeats (the tiny golden target) is one period, i.e. fully unrolled.
 
 The decode cache (`Gemma4Cache`) keeps every position for full layers only; sliding layers keep a
 ring of W = sliding_window - 1 + max_step slots per request (see there), so a long context costs
@@ -135,9 +136,10 @@ class Gemma4Cache:
 # ----------------------------------------------------------------------------- layers
 
 
-def _layer(layer, cfg: TargetConfig, sliding: bool, x: jax.Array, positions: jax.Array, attend, kv):
-    """One sandwich layer; `attend(q, k, v, kv) -> (out [b,t,n,h], kv)` sees rotated q/k and normed
-    v. Returns (x, kv)."""
+def _layer(layer, cfg: TargetConfig, sliding: bool, index, x: jax.Array, positions: jax.Array,
+           attend, kv):
+    """One sandwich layer, entry `index` of its type's stack; returns (x, kv). `attend` sees
+    rotated q/k and normed v (see `_run_layers`)."""
     eps = cfg.rms_norm_eps
     h = rms_norm(x, layer["attn_norm"], eps)
     q = rms_norm(jnp.einsum("btd,dnh->btnh", h, layer["wq"]), layer["q_norm"], eps)
@@ -145,7 +147,7 @@ def _layer(layer, cfg: TargetConfig, sliding: bool, x: jax.Array, positions: jax
     v_raw = jnp.einsum("btd,dkh->btkh", h, layer["wv"]) if "wv" in layer else k_raw
     k = rms_norm(k_raw, layer["k_norm"], eps)
     q, k = layer_rope(cfg, sliding, q, positions), layer_rope(cfg, sliding, k, positions)
-    out, kv = attend(q, k, value_norm(v_raw, eps), kv)
+    out, kv = attend(q, k, value_norm(v_raw, eps), kv, sliding, index)
     x = x + rms_norm(jnp.einsum("btnh,nhd->btd", out, layer["wo"]), layer["post_attn_norm"], eps)
     h = gelu_mlp(rms_norm(x, layer["mlp_norm"], eps), layer["w_gate"], layer["w_up"], layer["w_down"])
     x = x + rms_norm(h, layer["post_mlp_norm"], eps)
@@ -155,9 +157,9 @@ def _layer(layer, cfg: TargetConfig, sliding: bool, x: jax.Array, positions: jax
 def _run_layers(params, cfg: TargetConfig, x: jax.Array, positions: jax.Array, attend, kv):
     """The stack as a scan over periods of `layer_period`; returns (final normed hidden, taps, kv).
 
-    `attend(q, k, v, kv, sliding, index) -> (out, kv)` is what differs between the full-sequence,
-    cached and flat forwards; `index` is the layer's place in its type's stack. The cache rides in
-    the carry and is updated by scatters, so a donated cache is written in place.
+    `attend(q, k, v, kv, sliding, index) -> (out [b,t,n,h], kv)` is what differs between the
+    full-sequence, cached and flat forwards; `index` is the layer's place in its type's stack. The
+    cache rides in the carry and is updated by scatters, so a donated cache is written in place.
     """
     B, T, d = x.shape
     period = layer_period(cfg)
@@ -186,8 +188,7 @@ def _run_layers(params, cfg: TargetConfig, x: jax.Array, positions: jax.Array, a
             seen[sliding] += 1
             layer = jax.tree.map(lambda a: a[within], layers[sliding])
             index = i * per_type[sliding] + within
-            here = lambda q, k, v, kv, s=sliding, at=index: attend(q, k, v, kv, s, at)  # noqa: E731
-            x, kv = _layer(layer, cfg, sliding, x, positions, here, kv)
+            x, kv = _layer(layer, cfg, sliding, index, x, positions, attend, kv)
             slot = slot_of_layer[i * p + j]
             safe = jnp.maximum(slot, 0)
             keep = jnp.where(slot >= 0, x, taps_buf[safe])
