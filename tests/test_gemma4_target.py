@@ -263,6 +263,12 @@ def test_multimodal_checkpoint_reads_the_text_model(target, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, params2, params)
 
 
+def test_multimodal_refusal_names_the_text_config_field():
+    text = json.loads((G4 / "target" / "config.json").read_text()) | {"enable_moe_block": True}
+    with pytest.raises(CheckpointError, match=r"^mm/config\.json: text_config\.enable_moe_block is true"):
+        hf_checkpoint.config_from_hf({"model_type": "gemma4", "text_config": text}, "mm/config.json")
+
+
 def test_stray_rope_keys_and_all_full_layer_types():
     """The DeepSpec drafter's config (a gemma4_text config): a stray top-level rope_type and
     rope_theta beside the per-type entries, every layer full."""

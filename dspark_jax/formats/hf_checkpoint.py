@@ -217,7 +217,7 @@ def _gemma4_text(hf: dict, where: str) -> dict:
     return text
 
 
-def _refuse_unsupported_gemma4(text: dict, where: str) -> None:
+def _refuse_unsupported_gemma4(text: dict, where: str, scope: str) -> None:
     """One error naming the first field that asks for what this implementation does not do.
     Absent fields take transformers' Gemma4TextConfig defaults (so an absent
     hidden_size_per_layer_input means per-layer inputs of width 256)."""
@@ -246,10 +246,10 @@ def _refuse_unsupported_gemma4(text: dict, where: str) -> None:
     ]
     for key, value, bad, why in checks:
         if bad:
-            raise CheckpointError(f"{where}: {key} is {json.dumps(value)}: {why}")
+            raise CheckpointError(f"{where}: {scope}{key} is {json.dumps(value)}: {why}")
 
 
-def _gemma4_rope(text: dict, layer_types: list[str], where: str) -> dict:
+def _gemma4_rope(text: dict, layer_types: list[str], where: str, scope: str) -> dict:
     """{layer type: (theta, rotated fraction)} from `rope_parameters` (transformers' defaults when
     absent); only the entries of the two layer types count (a stray top-level rope_type or
     rope_theta beside them is ignored)."""
@@ -262,9 +262,9 @@ def _gemma4_rope(text: dict, layer_types: list[str], where: str) -> dict:
         entry = rope.get(kind)
         if entry is None:
             if kind in layer_types:
-                raise CheckpointError(f"{where}: rope_parameters has no {kind!r} entry")
+                raise CheckpointError(f"{where}: {scope}rope_parameters has no {kind!r} entry")
             continue
-        key = f"rope_parameters.{kind}"
+        key = f"{scope}rope_parameters.{kind}"
         rope_type = entry.get("rope_type", "default")
         if rope_type not in allowed:
             raise CheckpointError(f"{where}: {key}.rope_type is {rope_type!r}: supported "
@@ -285,15 +285,16 @@ def _gemma4_rope(text: dict, layer_types: list[str], where: str) -> dict:
 def _gemma4_config_from_hf(hf: dict, where: str, **overrides) -> TargetConfig:
     """TargetConfig (family gemma4) from a gemma4_text or multimodal gemma4 config.json dict."""
     text = _gemma4_text(hf, where)
-    _refuse_unsupported_gemma4(text, where)
-    missing = [k for k in _GEMMA4_REQUIRED if k not in text]
+    scope = "text_config." if text is not hf else ""  # where error messages find a field
+    _refuse_unsupported_gemma4(text, where, scope)
+    missing = [scope + k for k in _GEMMA4_REQUIRED if k not in text]
     if missing:
         raise CheckpointError(f"{where}: missing keys {missing}")
     L = text["num_hidden_layers"]
     layer_types = text.get("layer_types")
     if layer_types is None:  # transformers' default: every sixth layer full
         layer_types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(L)]
-    rope = _gemma4_rope(text, layer_types, where)
+    rope = _gemma4_rope(text, layer_types, where, scope)
     full_theta, fraction = rope.get("full_attention", (0.0, 1.0))
     head_dim = text.get("head_dim", 256)
     k_eq_v = bool(text.get("attention_k_eq_v", False))
