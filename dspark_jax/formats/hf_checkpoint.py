@@ -1,4 +1,5 @@
-"""Hugging Face Qwen3 checkpoints: load tensor by tensor onto a mesh, save back for transformers.
+"""Hugging Face Qwen3 and Gemma4 text checkpoints: load tensor by tensor onto a mesh, save back for
+transformers.
 
 The key map (`target_key_map`) is written once and used in both directions. Loading is strict:
 every missing, unexpected or mis-shaped tensor is listed in one error. Each device reads only its
@@ -127,12 +128,17 @@ def gemma4_layer_key_map(cfg: TargetConfig, layer_ids: list[int], sliding: bool,
     return out
 
 
-def target_key_map(cfg: TargetConfig) -> list[TensorMap]:
-    """Every tensor of a Hugging Face Qwen3ForCausalLM checkpoint."""
+def target_key_map(cfg: TargetConfig, prefix: str = "model.") -> list[TensorMap]:
+    """Every tensor of a Hugging Face Qwen3ForCausalLM or Gemma4ForCausalLM checkpoint (`prefix`:
+    where the decoder's weights sit; `model.language_model.` in a multimodal Gemma4 checkpoint)."""
     V, d = cfg.vocab_size, cfg.hidden_size
-    rows = [TensorMap("model.embed_tokens.weight", "embed", None, (V, d), _identity, _identity)]
-    rows += layer_key_map(cfg, cfg.num_hidden_layers, "model.")
-    rows.append(TensorMap("model.norm.weight", "final_norm", None, (d,), _identity, _identity))
+    rows = [TensorMap(f"{prefix}embed_tokens.weight", "embed", None, (V, d), _identity, _identity)]
+    if cfg.family == "gemma4":
+        rows += gemma4_layer_key_map(cfg, list(cfg.sliding_layers), True, prefix, "sliding")
+        rows += gemma4_layer_key_map(cfg, list(cfg.full_layers), False, prefix, "full")
+    else:
+        rows += layer_key_map(cfg, cfg.num_hidden_layers, prefix)
+    rows.append(TensorMap(f"{prefix}norm.weight", "final_norm", None, (d,), _identity, _identity))
     if not cfg.tie_word_embeddings:
         rows.append(TensorMap("lm_head.weight", "lm_head", None, (V, d), _transpose, _transpose))
     return rows
@@ -158,10 +164,12 @@ def read_json(path: Path) -> dict:
 
 
 def config_from_hf(hf: dict, where: str, **overrides) -> TargetConfig:
-    """TargetConfig from a Qwen3 config.json dict; `overrides` set the non-HF fields."""
+    """TargetConfig from a Qwen3 or Gemma4 config.json dict; `overrides` set the non-HF fields."""
+    if hf.get("model_type") in GEMMA4_MODEL_TYPES:
+        return _gemma4_config_from_hf(hf, where, **overrides)
     if hf.get("model_type") != "qwen3":
-        raise CheckpointError(f"{where}: model_type is {hf.get('model_type')!r}; only 'qwen3' "
-                              "checkpoints are supported")
+        raise CheckpointError(f"{where}: model_type is {hf.get('model_type')!r}; only 'qwen3', "
+                              "'gemma4_text' and 'gemma4' checkpoints are supported")
     if hf.get("attention_bias"):
         raise CheckpointError(f"{where}: attention_bias=true is not supported (Qwen3 has none)")
     missing = [k for k in _HF_FIELDS if k not in hf and k != "tie_word_embeddings"]
@@ -186,6 +194,157 @@ def config_from_hf(hf: dict, where: str, **overrides) -> TargetConfig:
         raise CheckpointError(f"{where}: {e}") from None
 
 
+# ----------------------------------------------------------------------------- Gemma4 config.json
+
+GEMMA4_MODEL_TYPES = ("gemma4_text", "gemma4")  # the text model; the multimodal one around it
+_GEMMA4_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads")
+_GEMMA4_ROPE_TYPES = {"sliding_attention": ("default",), "full_attention": ("default", "proportional")}
+
+
+def weights_prefix(hf: dict) -> str:
+    """Where a checkpoint keeps the decoder's weights."""
+    return "model.language_model." if hf.get("model_type") == "gemma4" else "model."
+
+
+def _gemma4_text(hf: dict, where: str) -> dict:
+    """The text model's config: the file itself, or its `text_config` in a multimodal checkpoint."""
+    if hf.get("model_type") != "gemma4":
+        return hf
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(f"{where}: model_type 'gemma4' needs a text_config object")
+    return text
+
+
+def _refuse_unsupported_gemma4(text: dict, where: str, scope: str) -> None:
+    """One error naming the first field that asks for what this implementation does not do.
+    Absent fields take transformers' Gemma4TextConfig defaults (so an absent
+    hidden_size_per_layer_input means per-layer inputs of width 256)."""
+    per_layer = text.get("hidden_size_per_layer_input", 256)
+    checks = [
+        ("hidden_size_per_layer_input", per_layer, bool(per_layer),
+         "per-layer inputs are not supported (need 0" + (")" if "hidden_size_per_layer_input" in text
+                                                         else "; absent means transformers' 256)")),
+        ("enable_moe_block", text.get("enable_moe_block"), bool(text.get("enable_moe_block")),
+         "mixture-of-experts layers are not supported"),
+        ("num_kv_shared_layers", text.get("num_kv_shared_layers"), bool(text.get("num_kv_shared_layers")),
+         "KV sharing between layers is not supported (need 0)"),
+        ("use_double_wide_mlp", text.get("use_double_wide_mlp"), bool(text.get("use_double_wide_mlp")),
+         "the double-wide MLP is not supported"),
+        ("use_bidirectional_attention", text.get("use_bidirectional_attention"),
+         bool(text.get("use_bidirectional_attention")), "only causal attention is supported (need null)"),
+        ("attention_bias", text.get("attention_bias"), bool(text.get("attention_bias")),
+         "attention biases are not supported"),
+        ("hidden_activation", text.get("hidden_activation", "gelu_pytorch_tanh"),
+         text.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh",
+         "only gelu_pytorch_tanh is supported"),
+        ("attn_logit_softcapping", text.get("attn_logit_softcapping"),
+         text.get("attn_logit_softcapping") is not None, "attention logit soft-capping is not supported"),
+        ("rope_scaling", text.get("rope_scaling"), bool(text.get("rope_scaling")),
+         "RoPE scaling is not supported"),
+    ]
+    for key, value, bad, why in checks:
+        if bad:
+            raise CheckpointError(f"{where}: {scope}{key} is {json.dumps(value)}: {why}")
+
+
+def _gemma4_rope(text: dict, layer_types: list[str], where: str, scope: str) -> dict:
+    """{layer type: (theta, rotated fraction)} from `rope_parameters` (transformers' defaults when
+    absent); only the entries of the two layer types count (a stray top-level rope_type or
+    rope_theta beside them is ignored)."""
+    rope = text.get("rope_parameters") or {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                           "rope_theta": 1_000_000.0}}
+    out = {}
+    for kind, allowed in _GEMMA4_ROPE_TYPES.items():
+        entry = rope.get(kind)
+        if entry is None:
+            if kind in layer_types:
+                raise CheckpointError(f"{where}: {scope}rope_parameters has no {kind!r} entry")
+            continue
+        key = f"{scope}rope_parameters.{kind}"
+        rope_type = entry.get("rope_type", "default")
+        if rope_type not in allowed:
+            raise CheckpointError(f"{where}: {key}.rope_type is {rope_type!r}: supported "
+                                  f"{' and '.join(map(repr, allowed))}")
+        if entry.get("factor", 1.0) != 1.0:
+            raise CheckpointError(f"{where}: {key}.factor is {entry['factor']}: RoPE scaling is not "
+                                  "supported (need 1.0)")
+        fraction = entry.get("partial_rotary_factor", 1.0) if rope_type == "proportional" else 1.0
+        if kind == "sliding_attention" and entry.get("partial_rotary_factor", 1.0) != 1.0:
+            raise CheckpointError(f"{where}: {key}.partial_rotary_factor is "
+                                  f"{entry['partial_rotary_factor']}: sliding layers rotate fully")
+        if entry.get("rope_theta") is None:
+            raise CheckpointError(f"{where}: {key} has no rope_theta")
+        out[kind] = (entry["rope_theta"], fraction)
+    return out
+
+
+def _gemma4_config_from_hf(hf: dict, where: str, **overrides) -> TargetConfig:
+    """TargetConfig (family gemma4) from a gemma4_text or multimodal gemma4 config.json dict."""
+    text = _gemma4_text(hf, where)
+    scope = "text_config." if text is not hf else ""  # where error messages find a field
+    _refuse_unsupported_gemma4(text, where, scope)
+    missing = [scope + k for k in _GEMMA4_REQUIRED if k not in text]
+    if missing:
+        raise CheckpointError(f"{where}: missing keys {missing}")
+    L = text["num_hidden_layers"]
+    layer_types = text.get("layer_types")
+    if layer_types is None:  # transformers' default: every sixth layer full
+        layer_types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(L)]
+    rope = _gemma4_rope(text, layer_types, where, scope)
+    full_theta, fraction = rope.get("full_attention", (0.0, 1.0))
+    head_dim = text.get("head_dim", 256)
+    k_eq_v = bool(text.get("attention_k_eq_v", False))
+    data = {k: text[k] for k in _GEMMA4_REQUIRED}
+    data.update(
+        family="gemma4", head_dim=head_dim, rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.get("sliding_attention", (full_theta,))[0],
+        tie_word_embeddings=hf.get("tie_word_embeddings", text.get("tie_word_embeddings", True)),
+        max_position_embeddings=text.get("max_position_embeddings", 131_072),
+        layer_types=layer_types, sliding_window=text.get("sliding_window", 512),
+        global_rope_theta=full_theta, global_head_dim=text.get("global_head_dim", 512) or head_dim,
+        # transformers gives full layers the global KV head count only when keys are values
+        num_global_key_value_heads=(text.get("num_global_key_value_heads") or 0) if k_eq_v else 0,
+        attention_k_eq_v=k_eq_v, partial_rotary_factor=fraction,
+        final_logit_softcapping=text.get("final_logit_softcapping") or 0.0)
+    dtype = text.get("dtype") or hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    data["dtype"] = "bfloat16" if dtype == "bfloat16" else "float32"
+    data.update(overrides)
+    try:
+        return from_dict(TargetConfig, data)
+    except ConfigError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+
+
+def _gemma4_config_to_hf(cfg: TargetConfig) -> dict:
+    """A config.json that transformers loads as Gemma4ForCausalLM (model_type gemma4_text)."""
+    if not cfg.attention_k_eq_v and cfg.full_kv_heads != cfg.num_key_value_heads:
+        raise ConfigError(f"num_global_key_value_heads {cfg.full_kv_heads}: transformers' Gemma4 uses "
+                          "it only with attention_k_eq_v, so this config has no config.json")
+    types = list(cfg.layer_types) or ["full_attention"] * cfg.num_hidden_layers
+    rope = {"full_attention": {"rope_type": "proportional", "rope_theta": cfg.full_rope_theta,
+                               "partial_rotary_factor": cfg.partial_rotary_factor}}
+    if "sliding_attention" in types:
+        rope["sliding_attention"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    out = {"architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text"}
+    out.update({k: getattr(cfg, k) for k in _HF_FIELDS})
+    out.update(
+        head_dim=cfg.head_dim, global_head_dim=cfg.full_head_dim,
+        num_global_key_value_heads=cfg.full_kv_heads if cfg.attention_k_eq_v else None,
+        attention_k_eq_v=cfg.attention_k_eq_v, layer_types=types,
+        sliding_window=cfg.sliding_window or cfg.max_position_embeddings, rope_parameters=rope,
+        final_logit_softcapping=cfg.final_logit_softcapping or None,
+        hidden_activation="gelu_pytorch_tanh", attention_bias=False, attention_dropout=0.0,
+        hidden_size_per_layer_input=0, vocab_size_per_layer_input=cfg.vocab_size,
+        num_kv_shared_layers=0, enable_moe_block=False, use_double_wide_mlp=False,
+        use_bidirectional_attention=None, num_experts=None, top_k_experts=None,
+        moe_intermediate_size=None, dtype=cfg.dtype, use_cache=True)
+    return out
+
+
 def load_target_config(directory: str | Path, **overrides) -> TargetConfig:
     """Reads `directory/config.json`; overrides set target_layer_ids, mask_token_id, dtype..."""
     path = Path(directory) / "config.json"
@@ -195,7 +354,9 @@ def load_target_config(directory: str | Path, **overrides) -> TargetConfig:
 
 
 def config_to_hf(cfg: TargetConfig) -> dict:
-    """A config.json that transformers loads as Qwen3ForCausalLM."""
+    """A config.json that transformers loads as Qwen3ForCausalLM (Gemma4ForCausalLM for gemma4)."""
+    if cfg.family == "gemma4":
+        return _gemma4_config_to_hf(cfg)
     out = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
     out.update({k: getattr(cfg, k) for k in _HF_FIELDS})
     out.update(head_dim=cfg.head_dim, hidden_act="silu", attention_bias=False,
@@ -265,7 +426,7 @@ def load_tensors(files: CheckpointFiles, key_map: list[TensorMap], spec, mesh: M
     flat_shard = jax.tree.leaves(shard_tree) if mesh is not None else [None] * len(flat_spec)
     leaves = []
     for (path, info), sharding in zip(flat_spec, flat_shard):
-        read = _assemble(files, groups[path_name(path)], info)
+        read = _assemble(files, groups.get(path_name(path), []), info)  # [] for an empty stack
         if sharding is None:
             full = tuple(slice(None) for _ in info.shape)
             leaves.append(jax.device_put(read(full)))
@@ -276,13 +437,17 @@ def load_tensors(files: CheckpointFiles, key_map: list[TensorMap], spec, mesh: M
 
 def load_target(directory: str | Path, mesh: Mesh | None = None, **overrides
                 ) -> tuple[TargetConfig, dict]:
-    """Loads a Hugging Face Qwen3 directory: (config, params placed on `mesh`)."""
+    """Loads a Hugging Face Qwen3 or Gemma4 directory: (config, params placed on `mesh`). Of a
+    multimodal Gemma4 checkpoint only the text model is read."""
     directory = Path(directory)
     cfg = load_target_config(directory, **overrides)
+    prefix = weights_prefix(read_json(directory / "config.json"))
     files = CheckpointFiles(directory)
-    key_map = target_key_map(cfg)
+    key_map = target_key_map(cfg, prefix)
     # Tied checkpoints sometimes also store the (identical) head; it is not a separate parameter.
     optional = frozenset({"lm_head.weight"}) if cfg.tie_word_embeddings else frozenset()
+    if prefix != "model.":  # the towers around a multimodal checkpoint's text model
+        optional |= {k for k in files.keys() if not k.startswith(prefix) and k != "lm_head.weight"}
     check_tensors(files, key_map, str(directory), optional)
     return cfg, load_tensors(files, key_map, target_spec(cfg), mesh)
 
@@ -314,7 +479,8 @@ def torch_dtype(name: str):
 
 def save_target(params, cfg: TargetConfig, out_dir: str | Path, *, tokenizer_dir: str | Path | None = None,
                 max_shard_bytes: int | None = None) -> Path:
-    """Writes a Hugging Face Qwen3 directory (config.json, safetensors, tokenizer files)."""
+    """Writes a Hugging Face Qwen3 (or Gemma4 text) directory: config.json, safetensors, tokenizer
+    files."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_dir(out, iter_torch_tensors(params, target_key_map(cfg), torch_dtype(cfg.dtype)),

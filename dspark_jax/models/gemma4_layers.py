@@ -32,15 +32,23 @@ def layer_geometry(cfg: TargetConfig, sliding: bool) -> tuple[int, int, bool]:
     return cfg.full_kv_heads, cfg.full_head_dim, not cfg.attention_k_eq_v
 
 
+def kv_heads_axis(num_kv_heads: int) -> str | None:
+    """The logical axis of a KV-head dimension: a single head (Gemma4's full layers) cannot be split
+    over tensor devices, so every tensor shard holds it whole (replicated by name, not by a rule
+    that gives up); more heads shard as `kv_heads` and must divide the mesh."""
+    return "kv_heads" if num_kv_heads > 1 else None
+
+
 def layer_stack_spec(cfg: TargetConfig, num_layers: int, sliding: bool, dtype) -> dict:
     """ArrayInfo tree of `num_layers` stacked Gemma4 layers of one type (norms float32)."""
     L, d, f, n = num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
     k, h, has_v = layer_geometry(cfg, sliding)
+    kv = kv_heads_axis(k)
     f32 = jnp.float32
     spec = {
         "attn_norm": ArrayInfo((L, d), f32, ("layers", "norm"), "ones"),
         "wq": ArrayInfo((L, d, n, h), dtype, ("layers", "embed", "heads", "head_dim")),
-        "wk": ArrayInfo((L, d, k, h), dtype, ("layers", "embed", "kv_heads", "head_dim")),
+        "wk": ArrayInfo((L, d, k, h), dtype, ("layers", "embed", kv, "head_dim")),
         "wo": ArrayInfo((L, n, h, d), dtype, ("layers", "heads", "head_dim", "embed")),
         "q_norm": ArrayInfo((L, h), f32, ("layers", "norm"), "ones"),
         "k_norm": ArrayInfo((L, h), f32, ("layers", "norm"), "ones"),
@@ -53,7 +61,7 @@ def layer_stack_spec(cfg: TargetConfig, num_layers: int, sliding: bool, dtype) -
         "w_down": ArrayInfo((L, f, d), dtype, ("layers", "mlp", "embed")),
     }
     if has_v:
-        spec["wv"] = ArrayInfo((L, d, k, h), dtype, ("layers", "embed", "kv_heads", "head_dim"))
+        spec["wv"] = ArrayInfo((L, d, k, h), dtype, ("layers", "embed", kv, "head_dim"))
     return spec
 
 

@@ -23,6 +23,9 @@ def param_dtype(cfg: TargetConfig):
 
 def target_spec(cfg: TargetConfig) -> dict:
     """ArrayInfo tree of the target's parameters (torch Linear weights transposed to [in, out])."""
+    if cfg.family == "gemma4":
+        from dspark_jax.models import gemma4  # it builds on this module
+        return gemma4.gemma4_spec(cfg)
     L, d, f = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
     n, k, h, V = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size
     w = param_dtype(cfg)
@@ -87,6 +90,9 @@ class KVCache:
 
 def new_cache(cfg: TargetConfig, batch: int, max_len: int, max_step: int = 1):
     """An empty decode cache of the target's family (see `KVCache` for the interface)."""
+    if cfg.family == "gemma4":
+        from dspark_jax.models import gemma4
+        return gemma4.Gemma4Cache.create(cfg, batch, max_len, max_step)
     return KVCache.create(cfg, batch, max_len, max_step)
 
 
@@ -162,6 +168,10 @@ def forward(params, cfg: TargetConfig, tokens: jax.Array, positions: jax.Array, 
     attends to cache slots <= its position; invalid (padding) tokens are never written.
     `logit_index` [B, K] selects the positions whose logits are computed (all when None).
     """
+    if cfg.family == "gemma4":
+        from dspark_jax.models import gemma4
+        return gemma4.forward(params, cfg, tokens, positions, cache=cache, valid=valid,
+                              logit_index=logit_index, compute_logits=compute_logits)
     B, T = tokens.shape
     valid = jnp.ones((B, T), bool) if valid is None else valid
     x = params["embed"][tokens].astype(param_dtype(cfg))  # [B,T,d]
@@ -203,6 +213,9 @@ def forward_flat(params, cfg: TargetConfig, cache: KVCache, tokens: jax.Array, r
     grid (`grid_index[i]` = row * width + offset) to read each request's cache, then gathered back.
     Invalid (padding) tokens are never written to the cache. Returns logits [F, V] and taps [F, m*d].
     """
+    if cfg.family == "gemma4":
+        from dspark_jax.models import gemma4
+        return gemma4.forward_flat(params, cfg, cache, tokens, rows, positions, valid, grid_index, width)
     R, S = cache.k.shape[1], cache.max_len
     x = params["embed"][tokens].astype(param_dtype(cfg))[None]  # [1,F,d]
     write_pos = jnp.where(valid, positions, S)
