@@ -1,9 +1,14 @@
 """DeepSpec-format DSpark/DFlash drafters (DESIGN §9): import into JAX params, export back.
 
-A DeepSpec drafter directory holds `config.json` (the target's Qwen3 config with the drafter fields)
+A DeepSpec drafter directory holds `config.json` (the target's config with the drafter fields)
 and `model.safetensors` whose keys have no `model.` prefix. It carries copies of the target's
 embedding and lm_head; we do not keep them (the drafter shares the target's), but on import they are
 compared with the target's and a mismatch is an error (or a warning when asked).
+
+Two families, one per kind of target: `Qwen3DSparkModel` (Qwen3 layers; a Qwen3 config) and
+`Gemma4DSparkModel` (Gemma4 full-attention layers: feed-forward norms and `layer_scalar`, no
+`v_proj` when the target takes keys as values; a `gemma4_text` config with `target_model_type`
+gemma4). A drafter runs only on a target of its own family.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dspark_jax.formats.hf_checkpoint import (
     _transpose,
     check_tensors,
     config_to_hf,
+    gemma4_layer_key_map,
     iter_torch_tensors,
     layer_key_map,
     load_tensors,
@@ -32,9 +38,22 @@ from dspark_jax.formats.hf_checkpoint import (
     torch_dtype,
 )
 from dspark_jax.formats.safetensors_io import CheckpointFiles, save_dir
-from dspark_jax.models.drafter import drafter_spec, layer_config
+from dspark_jax.models.drafter import drafter_spec, is_gemma4, layer_config
 
 SHARED_KEYS = ("embed_tokens.weight", "lm_head.weight")
+# The `architectures` entry of a DeepSpec DSpark drafter, by target family.
+ARCHITECTURES = {"qwen3": "Qwen3DSparkModel", "gemma4": "Gemma4DSparkModel"}
+
+
+def drafter_family(hf: dict) -> str:
+    """The target family a DeepSpec drafter config.json is for: by `architectures`, else by
+    `target_model_type` / `model_type` (older Qwen3 exports name neither)."""
+    archs = hf.get("architectures") or []
+    for family, arch in ARCHITECTURES.items():
+        if arch in archs:
+            return family
+    model_type = str(hf.get("target_model_type") or hf.get("model_type") or "")
+    return "gemma4" if model_type.startswith("gemma4") else "qwen3"
 
 
 def drafter_key_map(tcfg: TargetConfig, dcfg: DrafterConfig) -> list[TensorMap]:
@@ -42,7 +61,11 @@ def drafter_key_map(tcfg: TargetConfig, dcfg: DrafterConfig) -> list[TensorMap]:
     d, m, r, V = tcfg.hidden_size, tcfg.num_taps, dcfg.markov_rank, tcfg.vocab_size
     rows = [TensorMap("fc.weight", "fc", None, (d, m * d), _transpose, _transpose),
             TensorMap("hidden_norm.weight", "hidden_norm", None, (d,), _identity, _identity)]
-    rows += layer_key_map(layer_config(tcfg, dcfg), dcfg.num_draft_layers, prefix="")
+    lcfg, Ld = layer_config(tcfg, dcfg), dcfg.num_draft_layers
+    if is_gemma4(tcfg):
+        rows += gemma4_layer_key_map(lcfg, list(range(Ld)), sliding=False, prefix="", path="layers")
+    else:
+        rows += layer_key_map(lcfg, Ld, prefix="")
     rows.append(TensorMap("norm.weight", "final_norm", None, (d,), _identity, _identity))
     if dcfg.has_markov:
         rows += [TensorMap("markov_head.markov_w1.weight", "markov_w1", None, (V, r), _identity, _identity),
@@ -67,18 +90,56 @@ def drafter_key_map(tcfg: TargetConfig, dcfg: DrafterConfig) -> list[TensorMap]:
 # Fields of the drafter's config.json that must equal the target's.
 _MUST_FIT = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
              "num_key_value_heads", "head_dim", "rms_norm_eps")
+_MUST_FIT_GEMMA4 = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                    "rms_norm_eps", "attention_k_eq_v")
+
+
+def _gemma4_fit_problems(hf: dict, tcfg: TargetConfig) -> list[str]:
+    """What in a Gemma4 drafter's config.json does not fit a Gemma4 target: the draft layers take the
+    target's full-attention geometry and RoPE, and its final softcap."""
+    problems = [f"{key} {hf.get(key)} != target {getattr(tcfg, key)}" for key in _MUST_FIT_GEMMA4
+                if hf.get(key) != getattr(tcfg, key)]
+    if hf.get("global_head_dim") != tcfg.full_head_dim:
+        problems.append(f"global_head_dim {hf.get('global_head_dim')} != target {tcfg.full_head_dim}")
+    # transformers reads num_global_key_value_heads only when keys are values.
+    kv = (hf.get("num_global_key_value_heads") if hf.get("attention_k_eq_v") else None) \
+        or hf.get("num_key_value_heads")
+    if kv != tcfg.full_kv_heads:
+        problems.append(f"full-attention KV heads {kv} != target {tcfg.full_kv_heads}")
+    full = (hf.get("rope_parameters") or {}).get("full_attention") or {}
+    if full.get("rope_type", "default") not in ("default", "proportional"):
+        problems.append(f"rope_parameters.full_attention.rope_type {full.get('rope_type')!r} is not "
+                        "'proportional'")
+    theta = full.get("rope_theta")
+    if theta is None or float(theta) != tcfg.full_rope_theta:
+        problems.append(f"rope_parameters.full_attention.rope_theta {theta} != target "
+                        f"{tcfg.full_rope_theta}")
+    factor = float(full.get("partial_rotary_factor", 1.0))
+    if factor != tcfg.partial_rotary_factor:
+        problems.append(f"partial_rotary_factor {factor} != target {tcfg.partial_rotary_factor}")
+    cap = float(hf.get("final_logit_softcapping") or 0.0)
+    if cap != tcfg.final_logit_softcapping:
+        problems.append(f"final_logit_softcapping {cap} != target {tcfg.final_logit_softcapping}")
+    for key in ("hidden_size_per_layer_input", "enable_moe_block"):
+        if hf.get(key):
+            problems.append(f"{key} {hf[key]} is not supported (DeepSpec's drafter refuses it)")
+    return problems
 
 
 def target_fit_problems(hf: dict, tcfg: TargetConfig) -> list[str]:
     """What in a drafter's config.json does not fit the target (shapes, RoPE, tapped layers)."""
     problems = []
-    for key in _MUST_FIT:
-        mine = hf.get(key, hf["hidden_size"] // hf["num_attention_heads"] if key == "head_dim" else None)
-        if mine != getattr(tcfg, key):
-            problems.append(f"{key} {mine} != target {getattr(tcfg, key)}")
-    rope = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta"))
-    if rope is not None and float(rope) != tcfg.rope_theta:
-        problems.append(f"rope_theta {rope} != target {tcfg.rope_theta}")
+    if is_gemma4(tcfg):
+        problems += _gemma4_fit_problems(hf, tcfg)
+    else:
+        for key in _MUST_FIT:
+            mine = hf.get(key, hf["hidden_size"] // hf["num_attention_heads"] if key == "head_dim"
+                          else None)
+            if mine != getattr(tcfg, key):
+                problems.append(f"{key} {mine} != target {getattr(tcfg, key)}")
+        rope = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta"))
+        if rope is not None and float(rope) != tcfg.rope_theta:
+            problems.append(f"rope_theta {rope} != target {tcfg.rope_theta}")
     if list(hf.get("target_layer_ids", [])) != list(tcfg.target_layer_ids):
         problems.append(f"target_layer_ids {hf.get('target_layer_ids')} != target's "
                         f"{list(tcfg.target_layer_ids)}")
@@ -90,6 +151,10 @@ def target_fit_problems(hf: dict, tcfg: TargetConfig) -> list[str]:
 
 def drafter_config_from_hf(hf: dict, tcfg: TargetConfig, where: str) -> DrafterConfig:
     """DrafterConfig from a DeepSpec config.json, checking that it fits the target."""
+    family = drafter_family(hf)
+    if family != tcfg.family:
+        raise CheckpointError(f"{where}: a {ARCHITECTURES[family]} drafter (for {family} targets) "
+                              f"cannot run on this {tcfg.family} target")
     problems = target_fit_problems(hf, tcfg)
     if hf.get("mask_token_id") != tcfg.mask_token_id:
         problems.append(f"mask_token_id {hf.get('mask_token_id')} != target {tcfg.mask_token_id}")
@@ -108,14 +173,47 @@ def drafter_config_from_hf(hf: dict, tcfg: TargetConfig, where: str) -> DrafterC
         raise CheckpointError(f"{where}: {e}") from None
 
 
+def gemma4_text_config(cfg: TargetConfig) -> dict:
+    """The text fields of a transformers `gemma4_text` config.json for `cfg` (no tokens: bos/eos/pad
+    ids are the tokenizer's). Features our models lack (per-layer inputs, KV sharing, MoE, the
+    double-wide MLP) are written as off."""
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+              "tie_word_embeddings", "max_position_embeddings", "attention_k_eq_v", "sliding_window")
+    out = {"architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text"}
+    out.update({k: getattr(cfg, k) for k in fields})
+    out.update(
+        global_head_dim=cfg.full_head_dim, num_global_key_value_heads=cfg.full_kv_heads,
+        layer_types=list(cfg.layer_types) or ["full_attention"] * cfg.num_hidden_layers,
+        rope_parameters={
+            "full_attention": {"partial_rotary_factor": cfg.partial_rotary_factor,
+                               "rope_theta": cfg.full_rope_theta, "rope_type": "proportional"},
+            "sliding_attention": {"rope_theta": cfg.rope_theta, "rope_type": "default"}},
+        final_logit_softcapping=cfg.final_logit_softcapping or None,
+        hidden_activation="gelu_pytorch_tanh", attention_bias=False, attention_dropout=0.0,
+        hidden_size_per_layer_input=0, vocab_size_per_layer_input=cfg.vocab_size,
+        num_kv_shared_layers=0, enable_moe_block=False, use_double_wide_mlp=False, num_experts=None,
+        top_k_experts=None, moe_intermediate_size=None, use_bidirectional_attention=None,
+        initializer_range=0.02, use_cache=True, dtype=cfg.dtype)
+    return out
+
+
 def drafter_config_to_hf(tcfg: TargetConfig, dcfg: DrafterConfig) -> dict:
-    out = config_to_hf(layer_config(tcfg, dcfg))
-    out.update(architectures=["Qwen3DSparkModel"], num_target_layers=tcfg.num_hidden_layers,
+    """A DeepSpec drafter config.json: the target's config (its text config for Gemma4) with the
+    draft layers' count and types and the drafter fields."""
+    lcfg = layer_config(tcfg, dcfg)
+    if is_gemma4(tcfg):
+        out = gemma4_text_config(lcfg)
+        out.update(target_model_type="gemma4", target_text_model_type="gemma4_text",
+                   dtype=dcfg.dtype)
+    else:
+        out = config_to_hf(lcfg)
+        out.update(dtype=dcfg.dtype, torch_dtype=dcfg.dtype)
+    out.update(architectures=[ARCHITECTURES[tcfg.family]], num_target_layers=tcfg.num_hidden_layers,
                block_size=dcfg.block_size, target_layer_ids=list(tcfg.target_layer_ids),
                mask_token_id=tcfg.mask_token_id, num_anchors=dcfg.num_anchors,
                markov_rank=dcfg.markov_rank, enable_confidence_head=dcfg.enable_confidence_head,
-               confidence_head_with_markov=dcfg.conf_uses_markov, tie_word_embeddings=False,
-               dtype=dcfg.dtype, torch_dtype=dcfg.dtype)
+               confidence_head_with_markov=dcfg.conf_uses_markov, tie_word_embeddings=False)
     if dcfg.has_markov:
         out["markov_head_type"] = dcfg.markov_head_type
     return out
@@ -139,7 +237,7 @@ def load_drafter(directory: str | Path, tcfg: TargetConfig, target_params=None, 
         raise CheckpointError(f"{directory}: drafter directory not found")
     cfg_path = directory / "config.json"
     hf = read_json(cfg_path)
-    if "Qwen3DSparkModel" not in (hf.get("architectures") or []) and "block_size" not in hf:
+    if not set(ARCHITECTURES.values()) & set(hf.get("architectures") or []) and "block_size" not in hf:
         raise CheckpointError(f"{cfg_path}: not a DeepSpec DSpark drafter (architectures "
                               f"{hf.get('architectures')}, no block_size)")
     for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "block_size"):
@@ -198,7 +296,7 @@ def save_drafter(dparams, tcfg: TargetConfig, dcfg: DrafterConfig, target_params
     """Writes a DeepSpec-format drafter directory (with the target's embedding and head copies)."""
     hf = drafter_config_to_hf(tcfg, dcfg)
     if dtype:
-        hf.update(dtype=dtype, torch_dtype=dtype)
+        hf.update({k: dtype for k in ("dtype", "torch_dtype") if k in hf})
     return write_drafter_dir(out_dir, dparams, drafter_key_map(tcfg, dcfg), tcfg, target_params, hf,
                              dtype or dcfg.dtype)
 

@@ -10,6 +10,12 @@ Two paths share every layer function:
   context before its anchor and its own block, never another block;
 - inference (`propose`): one block per request against a draft context cache holding the projected,
   normalised and rotated context keys/values of every draft layer.
+
+The target's family (`tcfg.family`) decides what a draft layer is; everything else is shared. On a
+Gemma4 target (DeepSpec's `Gemma4DSparkModel`, DESIGN §2b) the block embedding is scaled by
+sqrt(d), each layer is a Gemma4 sandwich layer with the target's full-attention geometry (its head
+dim, KV heads, partial RoPE, weightless value norm, keys as values when the target does so, score
+scale 1) and no sliding window; the final softcap comes with the target's lm_head.
 """
 
 from __future__ import annotations
@@ -21,15 +27,30 @@ import jax.numpy as jnp
 from flax import struct
 
 from dspark_jax.config import DrafterConfig, TargetConfig
-from dspark_jax.models.layers import NEG_INF, project_qkv, rms_norm, rope, sample_inverse_cdf, swiglu
+from dspark_jax.models import gemma4_layers as g4
+from dspark_jax.models.layers import NEG_INF, rms_norm, rope, sample_inverse_cdf, swiglu
 from dspark_jax.models.target import lm_head, target_spec
 from dspark_jax.params import ArrayInfo
 
 
 def layer_config(tcfg: TargetConfig, dcfg: DrafterConfig) -> TargetConfig:
-    """The draft layers' shapes: the target's, with `num_draft_layers` layers."""
+    """The draft layers' shapes: the target's, with `num_draft_layers` layers (on a Gemma4 target
+    all of them full-attention layers)."""
+    types = ("full_attention",) * dcfg.num_draft_layers if tcfg.layer_types else ()
     return dataclasses.replace(tcfg, num_hidden_layers=dcfg.num_draft_layers, target_layer_ids=(),
-                               dtype="float32")
+                               layer_types=types, dtype="float32")
+
+
+def is_gemma4(tcfg: TargetConfig) -> bool:
+    return tcfg.family == "gemma4"
+
+
+def layers_spec(tcfg: TargetConfig, dcfg: DrafterConfig) -> dict:
+    """ArrayInfo tree of the stacked draft layers (float32 masters)."""
+    lcfg = layer_config(tcfg, dcfg)
+    if is_gemma4(tcfg):
+        return g4.layer_stack_spec(lcfg, dcfg.num_draft_layers, sliding=False, dtype=jnp.float32)
+    return target_spec(lcfg)["layers"]
 
 
 def drafter_spec(tcfg: TargetConfig, dcfg: DrafterConfig) -> dict:
@@ -39,7 +60,7 @@ def drafter_spec(tcfg: TargetConfig, dcfg: DrafterConfig) -> dict:
     spec = {
         "fc": ArrayInfo((m * d, d), f32, ("taps", "embed")),
         "hidden_norm": ArrayInfo((d,), f32, ("norm",), "ones"),
-        "layers": target_spec(layer_config(tcfg, dcfg))["layers"],
+        "layers": layers_spec(tcfg, dcfg),
         "final_norm": ArrayInfo((d,), f32, ("norm",), "ones"),
     }
     if dcfg.has_markov:
@@ -74,20 +95,63 @@ def context_features(dparams, tcfg: TargetConfig, taps_bsm: jax.Array) -> jax.Ar
     return rms_norm(h, dparams["hidden_norm"], tcfg.rms_norm_eps)
 
 
-def context_kv(layer, tcfg: TargetConfig, h_ctx_bsd: jax.Array, pos_bs: jax.Array):
-    """One draft layer's context keys (k_norm, RoPE at their own positions) and values."""
-    k = rms_norm(jnp.einsum("bsd,dkh->bskh", h_ctx_bsd, layer["wk"]), layer["k_norm"],
-                 tcfg.rms_norm_eps)
-    v = jnp.einsum("bsd,dkh->bskh", h_ctx_bsd, layer["wv"])
-    return rope(k, pos_bs, tcfg.rope_theta), v
+def _rope(tcfg: TargetConfig, x_bthd: jax.Array, pos_bt: jax.Array) -> jax.Array:
+    """The draft layers' RoPE: the target's (on Gemma4 its full layers', partial)."""
+    if is_gemma4(tcfg):
+        return g4.layer_rope(tcfg, False, x_bthd, pos_bt)
+    return rope(x_bthd, pos_bt, tcfg.rope_theta)
 
 
-def _block_attention(q_bntnh, k_ctx_bskh, v_ctx_bskh, k_blk_bntkh, v_blk_bntkh, ctx_mask_bns):
+def layer_kv(layer, tcfg: TargetConfig, x_btd: jax.Array, pos_bt: jax.Array):
+    """One draft layer's keys (k_norm, then RoPE at `pos_bt`) and values of rows `x_btd`: the
+    projected context (no input norm, at its own positions) or the block's normed stream. Gemma4 values are the weightless value norm of the
+    value projection, or of the raw key projection when the target takes keys as values."""
+    eps = tcfg.rms_norm_eps
+    k_raw = jnp.einsum("btd,dkh->btkh", x_btd, layer["wk"])
+    k = _rope(tcfg, rms_norm(k_raw, layer["k_norm"], eps), pos_bt)
+    if not is_gemma4(tcfg):
+        return k, jnp.einsum("btd,dkh->btkh", x_btd, layer["wv"])
+    v = k_raw if tcfg.attention_k_eq_v else jnp.einsum("btd,dkh->btkh", x_btd, layer["wv"])
+    return k, g4.value_norm(v, eps)
+
+
+def layer_q(layer, tcfg: TargetConfig, x_btd: jax.Array, pos_bt: jax.Array) -> jax.Array:
+    """Queries of the block's normed stream: q_norm, then RoPE."""
+    q = rms_norm(jnp.einsum("btd,dnh->btnh", x_btd, layer["wq"]), layer["q_norm"], tcfg.rms_norm_eps)
+    return _rope(tcfg, q, pos_bt)
+
+
+def score_scale(tcfg: TargetConfig) -> float:
+    """Attention score scale: 1/sqrt(head_dim), 1 on Gemma4."""
+    return 1.0 if is_gemma4(tcfg) else tcfg.full_head_dim ** -0.5
+
+
+def layer_residual(layer, tcfg: TargetConfig, x_bntd: jax.Array, attn_bntd: jax.Array) -> jax.Array:
+    """The stream after one layer, given its projected attention output.
+
+    Qwen3: x + attn, then x + SwiGLU(mlp_norm(x)). Gemma4 (sandwich): x + post_attn_norm(attn),
+    then x + post_mlp_norm(GELU-MLP(mlp_norm(x))), the whole stream times `layer_scalar`."""
+    B, N, T, d = x_bntd.shape
+    eps = tcfg.rms_norm_eps
+    flat = lambda a: a.reshape(B, N * T, d)
+    if not is_gemma4(tcfg):
+        x = x_bntd + attn_bntd
+        mlp = swiglu(flat(rms_norm(x, layer["mlp_norm"], eps)), layer["w_gate"], layer["w_up"],
+                     layer["w_down"])
+        return x + mlp.reshape(B, N, T, d)
+    x = x_bntd + rms_norm(attn_bntd, layer["post_attn_norm"], eps)
+    mlp = g4.gelu_mlp(flat(rms_norm(x, layer["mlp_norm"], eps)), layer["w_gate"], layer["w_up"],
+                      layer["w_down"])
+    x = x + rms_norm(mlp.reshape(B, N, T, d), layer["post_mlp_norm"], eps)
+    return x * layer["layer_scalar"].astype(x.dtype)
+
+
+def _block_attention(scale: float, q_bntnh, k_ctx_bskh, v_ctx_bskh, k_blk_bntkh, v_blk_bntkh,
+                     ctx_mask_bns):
     """Block queries attend to the visible context and, bidirectionally, to their own block."""
     B, N, T, n, h = q_bntnh.shape
     K = k_ctx_bskh.shape[2]
     q = q_bntnh.reshape(B, N, T, K, n // K, h)
-    scale = h ** -0.5
     s_ctx = jnp.einsum("bntkgh,bskh->bnkgts", q, k_ctx_bskh, preferred_element_type=jnp.float32)
     s_ctx = jnp.where(ctx_mask_bns[:, :, None, None, None, :], s_ctx * scale, NEG_INF)
     s_blk = jnp.einsum("bntkgh,bnukh->bnkgtu", q, k_blk_bntkh,
@@ -100,18 +164,18 @@ def _block_attention(q_bntnh, k_ctx_bskh, v_ctx_bskh, k_blk_bntkh, v_blk_bntkh, 
     return out.reshape(B, N, T, n, h)
 
 
-def _chunked_block_attention(chunk: int, q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask):
+def _chunked_block_attention(chunk: int, scale: float, q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask):
     """_block_attention over groups of `chunk` blocks, one group at a time, each rematerialised in
     the backward pass: the [.., blocks, heads, T, S] scores exist for one group only, which is what
     bounds training memory with hundreds of anchors over long sequences."""
     B, N = q.shape[:2]
     if not chunk or chunk >= N:
-        return _block_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask)
+        return _block_attention(scale, q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask)
     pad = -N % chunk
     grouped = lambda a: jnp.moveaxis(
         jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)).reshape(
             B, (N + pad) // chunk, chunk, *a.shape[2:]), 1, 0)
-    step = jax.checkpoint(lambda xs: _block_attention(xs[0], k_ctx, v_ctx, xs[1], xs[2], xs[3]))
+    step = jax.checkpoint(lambda xs: _block_attention(scale, xs[0], k_ctx, v_ctx, xs[1], xs[2], xs[3]))
     out = jax.lax.map(step, (grouped(q), grouped(k_blk), grouped(v_blk), grouped(ctx_mask)))
     return jnp.moveaxis(out, 0, 1).reshape(B, N + pad, *q.shape[2:])[:, :N]
 
@@ -129,18 +193,16 @@ def backbone(dparams, tcfg: TargetConfig, x_bntd: jax.Array, pos_bnt: jax.Array,
     def layer_step(x, xs):
         layer, kv = xs
         if kv is None:
-            k_ctx, v_ctx = context_kv(layer, tcfg, h_ctx, ctx_pos)
+            k_ctx, v_ctx = layer_kv(layer, tcfg, h_ctx, ctx_pos)
         else:
             k_ctx, v_ctx = kv
-        xf = x.reshape(B, N * T, d)
-        q, k, v = project_qkv(rms_norm(xf, layer["attn_norm"], eps), layer, eps)
-        q, k = rope(q, flat_pos, tcfg.rope_theta), rope(k, flat_pos, tcfg.rope_theta)
+        xn = rms_norm(x.reshape(B, N * T, d), layer["attn_norm"], eps)
+        q = layer_q(layer, tcfg, xn, flat_pos)
+        k, v = layer_kv(layer, tcfg, xn, flat_pos)
         split = lambda a: a.reshape(B, N, T, *a.shape[2:])
-        out = _chunked_block_attention(attention_chunk, split(q), k_ctx, v_ctx, split(k), split(v),
-                                       ctx_mask_bns)
-        x = x + jnp.einsum("bntqh,qhd->bntd", out, layer["wo"])
-        x = x + swiglu(rms_norm(x, layer["mlp_norm"], eps).reshape(B, N * T, d), layer["w_gate"],
-                       layer["w_up"], layer["w_down"]).reshape(B, N, T, d)
+        out = _chunked_block_attention(attention_chunk, score_scale(tcfg), split(q), k_ctx, v_ctx,
+                                       split(k), split(v), ctx_mask_bns)
+        x = layer_residual(layer, tcfg, x, jnp.einsum("bntqh,qhd->bntd", out, layer["wo"]))
         return x, None
 
     kv = None if cache is None else (cache.k, cache.v)
@@ -150,9 +212,12 @@ def backbone(dparams, tcfg: TargetConfig, x_bntd: jax.Array, pos_bnt: jax.Array,
 
 def embed_blocks(target_params, tcfg: TargetConfig, anchor_tokens: jax.Array, block_size: int,
                  dtype) -> jax.Array:
-    """[anchor, MASK x (T-1)] embedded with the target's frozen embedding: [..., T, d]."""
+    """[anchor, MASK x (T-1)] embedded with the target's frozen embedding (Gemma4: scaled by
+    sqrt(d), as the target scales it): [..., T, d]."""
     masks = jnp.full(anchor_tokens.shape + (block_size - 1,), tcfg.mask_token_id, jnp.int32)
     tokens = jnp.concatenate([anchor_tokens[..., None].astype(jnp.int32), masks], axis=-1)
+    if is_gemma4(tcfg):
+        return g4.scaled_embedding(target_params["embed"], tokens, dtype)
     return target_params["embed"][tokens].astype(dtype)
 
 
@@ -222,6 +287,7 @@ class TrainBlocks:
     labels: jax.Array  # [B,N,T] ground-truth next tokens
     eval_mask: jax.Array  # [B,N,T] bool prefix-valid supervision
     aligned_index: jax.Array  # [B,N,T] sequence position whose target logits predict the label
+    hidden: jax.Array  # [B,N,T,d] backbone output (final-normed), the heads' input
 
 
 def block_targets(input_ids: jax.Array, loss_mask: jax.Array, anchors: jax.Array,
@@ -265,7 +331,7 @@ def train_forward(dparams, target_params, tcfg: TargetConfig, dcfg: DrafterConfi
     if bias is not None:
         logits = logits + bias
     return TrainBlocks(logits=logits, conf_logits=conf, labels=labels, eval_mask=eval_mask,
-                       aligned_index=aligned)
+                       aligned_index=aligned, hidden=h)
 
 
 # ----------------------------------------------------------------------------- inference path
@@ -273,14 +339,15 @@ def train_forward(dparams, target_params, tcfg: TargetConfig, dcfg: DrafterConfi
 
 @struct.dataclass
 class DraftCache:
-    """Per draft layer, the context keys (normed, rotated) and values; slot s = position s."""
+    """Per draft layer, the context keys (normed, rotated) and values; slot s = position s. K and h
+    are the draft layers' (on Gemma4 the target's full-attention KV heads and head dim)."""
 
     k: jax.Array  # [Ld, B, S, K, h]
     v: jax.Array  # [Ld, B, S, K, h]
 
     @classmethod
     def create(cls, tcfg: TargetConfig, dcfg: DrafterConfig, batch: int, max_len: int) -> "DraftCache":
-        shape = (dcfg.num_draft_layers, batch, max_len, tcfg.num_key_value_heads, tcfg.head_dim)
+        shape = (dcfg.num_draft_layers, batch, max_len, tcfg.full_kv_heads, tcfg.full_head_dim)
         zeros = jnp.zeros(shape, jnp.dtype(dcfg.dtype))
         return cls(k=zeros, v=jnp.zeros_like(zeros))  # distinct buffers: both are donated
 
@@ -295,7 +362,7 @@ def extend_context(dparams, tcfg: TargetConfig, dcfg: DrafterConfig, cache: Draf
     rows = jnp.arange(taps.shape[0])[:, None]
 
     def per_layer(layer):
-        return context_kv(layer, tcfg, h_ctx, positions)
+        return layer_kv(layer, tcfg, h_ctx, positions)
 
     k_new, v_new = jax.vmap(per_layer)(dp["layers"])  # [Ld,B,T,K,h]
     k = cache.k.at[:, rows, write].set(k_new.astype(cache.k.dtype), mode="drop")
