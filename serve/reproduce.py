@@ -249,12 +249,13 @@ def calibration_stage(kept: dict, figures: Path, args) -> dict:
     for name, results in kept.items():
         fitted = calibration.fit_on_results(results, eval_fraction=0.3, seed=args.seed)
         rep = fitted.report
-        calibration.reliability_diagram(*fitted.held_out, fitted.temperatures,
-                                        figures / f"reliability-{name}.png",
+        calibration.reliability_diagram(*fitted.held_out, fitted.sts.temperatures,
+                                        figures / f"reliability-{name}.png", biases=fitted.sts.biases,
                                         title=f"{name}: held-out rounds, T = 1")
         auc_shift = [abs(a - b) for a, b in zip(rep["auc"], rep["auc_before"])
                      if a is not None and b is not None]
-        out[name] = {"temperatures": fitted.temperatures.tolist(), "prompts_fit": fitted.prompts_fit,
+        out[name] = {"temperatures": list(fitted.sts.temperatures), "biases": list(fitted.sts.biases),
+                     "prompts_fit": fitted.prompts_fit,
                      "prompts_eval": fitted.prompts_eval, "rounds_fit": fitted.fit_rounds,
                      "rounds_eval": int(len(fitted.held_out[0])),
                      "max_auc_shift": max(auc_shift) if auc_shift else None, **rep}
@@ -455,14 +456,15 @@ def render(res: dict) -> str:
         lines.append("")
     for name, cal in res.get("calibration", {}).items():
         lines += [f"## Calibration of {name} (Fig. 6)", "",
-                  f"STS fitted on the T = 1 rounds of {cal['prompts_fit']} prompts "
+                  f"STS with a bias per position fitted on the T = 1 rounds of {cal['prompts_fit']} prompts "
                   f"({cal['rounds_fit']} rounds), measured on the {cal['rounds_eval']} rounds of "
                   f"the other {cal['prompts_eval']}.", "", f"![reliability]({fig}/reliability-{name}.png)",
-                  "", "| position | rounds | T | ECE before | ECE after | AUC before | AUC after |",
-                  "|---:|---:|---:|---:|---:|---:|---:|"]
+                  "", "| position | rounds | T | b | ECE before | ECE after | AUC before | AUC after |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for j, n in enumerate(cal["n"]):
             cells = [cal[k][j] for k in ("ece_before", "ece_after", "auc_before", "auc")]
-            lines.append(f"| {j + 1} | {n} | {cal['temperatures'][j]:.3f} | "
+            bias = cal.get("biases", [0.0] * len(cal["n"]))[j]
+            lines.append(f"| {j + 1} | {n} | {cal['temperatures'][j]:.3f} | {bias:+.2f} | "
                          + " | ".join("–" if c is None else f"{c:.4f}" for c in cells) + " |")
         lines.append("")
     conc = res.get("concurrency")

@@ -11,9 +11,12 @@ from scipy.stats import mannwhitneyu
 
 from dspark_jax.decoding.calibration import (
     CalibrationError,
+    Sts,
     auc,
+    bias_grids,
     brier,
     ece,
+    fit_on_results,
     fit_sts,
     load_sts,
     observations,
@@ -26,12 +29,12 @@ from dspark_jax.decoding.calibration import (
 T_STAR = np.array([2.0, 0.7, 1.5, 3.0])
 
 
-def simulate(rng, n, temperatures=T_STAR, short_share=0.2, max_verified=None):
-    """Rounds of a drafter whose true conditional acceptance is σ(z_j / T*_j).
+def simulate(rng, n, temperatures=T_STAR, short_share=0.2, max_verified=None, biases=0.0):
+    """Rounds of a drafter whose true conditional acceptance is σ(z_j / T*_j + b*_j).
     Returns z [n, γ], ℓ [n], k [n]; a `short_share` of rounds verify fewer than γ drafts."""
     gamma = len(temperatures)
     z = rng.normal(1.5, 2.0, (n, gamma))
-    ok = rng.random((n, gamma)) < 1.0 / (1.0 + np.exp(-z / temperatures))
+    ok = rng.random((n, gamma)) < 1.0 / (1.0 + np.exp(-(z / temperatures + biases)))
     leading = np.cumprod(ok, axis=1).sum(axis=1)  # accepted until the first rejection
     verified = np.full(n, gamma if max_verified is None else max_verified)
     short = rng.random(n) < short_share
@@ -125,6 +128,57 @@ def test_fit_sts_recovers_known_temperatures():
         assert after == pytest.approx(best, abs=0.002)
 
 
+B_STAR = np.array([-1.0, 0.5, -0.8, 1.2])
+
+
+def test_bias_method_recovers_a_shifted_head_that_temperatures_cannot():
+    # Confidences off by a constant per position: temperatures alone leave most of the error,
+    # the bias method finds the shift (within the grid's 0.05 steps) and the ranking stays.
+    rng = np.random.default_rng(3)
+    t_true = np.array([1.2, 0.8, 1.5, 1.0])
+    grid, bias_grid = bias_grids()
+    fitting = simulate(rng, 20_000, t_true, biases=B_STAR)
+    fitted = fit_sts(*fitting, grid=grid, bias_grid=bias_grid)
+    assert isinstance(fitted, Sts)
+    np.testing.assert_allclose(fitted.biases, B_STAR, atol=0.25)
+    np.testing.assert_allclose(fitted.temperatures, t_true, rtol=0.25)
+    held_out = simulate(rng, 10_000, t_true, biases=B_STAR)
+    with_bias = position_report(*held_out, fitted.temperatures, biases=fitted.biases)
+    temps_only = position_report(*held_out, fit_sts(*fitting))
+    assert with_bias["mean_ece_after"] < 0.015
+    assert with_bias["mean_ece_after"] < 0.5 * temps_only["mean_ece_after"]
+    # As for temperatures alone: the product's ranking moves towards the true probabilities'.
+    oracle = position_report(*held_out, t_true, biases=B_STAR)
+    for after, before, best in zip(with_bias["auc"], with_bias["auc_before"], oracle["auc"]):
+        assert abs(after - before) < 0.03
+        assert after == pytest.approx(best, abs=0.003)
+
+
+def test_bias_method_ties_go_to_identity():
+    grid, bias_grid = bias_grids()
+    z = np.zeros((200, 2))  # every round accepted once in two: T = 1, b = 0 is exact
+    fitted = fit_sts(z, np.full(200, 1), np.arange(200) % 2, grid=grid, bias_grid=bias_grid)
+    assert fitted.temperatures[0] == 1.0 and fitted.biases[0] == 0.0
+    assert fitted.temperatures[1] == 1.0 and fitted.biases[1] == 0.0  # never verified
+
+
+def test_fit_on_results_methods():
+    class Res:  # what the engine's results carry for calibration
+        def __init__(self, z, ell, k):
+            self.conf_logits, self.verified, self.drafts_accepted = z.tolist(), ell.tolist(), k.tolist()
+
+    rng = np.random.default_rng(4)
+    z, ell, k = simulate(rng, 6_000, biases=B_STAR)
+    results = [Res(z[i::20], ell[i::20], k[i::20]) for i in range(20)]
+    plain = fit_on_results(results, method="sts")
+    assert plain.sts.biases == (0.0,) * 4
+    biased = fit_on_results(results)  # the default
+    assert any(b != 0 for b in biased.sts.biases)
+    assert biased.report["mean_ece_after"] < plain.report["mean_ece_after"]
+    with pytest.raises(CalibrationError, match="calibration method 'platt'"):
+        fit_on_results(results, method="platt")
+
+
 def test_unobserved_position_keeps_identity():
     rng = np.random.default_rng(2)
     z, verified, accepted = simulate(rng, 5_000, max_verified=2)  # drafts 3 and 4 never verified
@@ -171,11 +225,15 @@ def test_save_load_round_trip(tmp_path):
     path = save_sts(tmp_path / "sts.json", np.array([2.0, 0.7, 1.5, 3.0]), drafter="step_1000",
                     ece_after=[0.01, 0.02])
     data = json.loads(path.read_text())
-    assert data["format"] == "dspark-sts" and data["version"] == 1 and data["block_size"] == 4
+    assert data["format"] == "dspark-sts" and data["version"] == 2 and data["block_size"] == 4
     assert data["drafter"] == "step_1000"
-    assert load_sts(path, block_size=4) == (2.0, 0.7, 1.5, 3.0)
-    save_sts(tmp_path / "again.json", load_sts(path, 4))
-    assert load_sts(tmp_path / "again.json", 4) == (2.0, 0.7, 1.5, 3.0)
+    assert load_sts(path, block_size=4) == Sts((2.0, 0.7, 1.5, 3.0), (0.0,) * 4)
+    cal = Sts((2.0, 0.7, 1.5, 3.0), (0.5, -1.0, 0.0, 2.25))
+    save_sts(tmp_path / "again.json", cal)
+    assert load_sts(tmp_path / "again.json", 4) == cal
+    # A version 1 file (temperatures only) still loads, with biases 0.
+    old = _write(tmp_path / "v1.json", {"format": "dspark-sts", "version": 1, "temperatures": [1.0, 2.0]})
+    assert load_sts(old, 2) == Sts((1.0, 2.0), (0.0, 0.0))
 
 
 def _write(path, payload):
@@ -193,7 +251,11 @@ GOOD = {"format": "dspark-sts", "version": 1, "block_size": 4, "temperatures": [
     ({k: v for k, v in GOOD.items() if k != "format"},
      r"\"format\" is missing; expected \"dspark-sts\""),
     ({**GOOD, "format": "dflash-sts"}, r"\"format\" is 'dflash-sts'; expected \"dspark-sts\""),
-    ({**GOOD, "version": 2}, r"version 2; this build reads version 1"),
+    ({**GOOD, "version": 3}, r"version 3; this build reads versions 1 and 2"),
+    ({**GOOD, "biases": [0.0, 1.0]}, r"2 biases for 4 temperatures"),
+    ({**GOOD, "biases": "0 0 0 0"}, r"\"biases\" must be a list of numbers; found str"),
+    ('{"format": "dspark-sts", "temperatures": [1, 1, 1, 1], "biases": [0, NaN, 0, 0]}',
+     r"bias 2 is nan; expected a finite number"),
     ({k: v for k, v in GOOD.items() if k != "temperatures"}, r"\"temperatures\" is missing"),
     ({**GOOD, "temperatures": "1.0 2.0"}, r"\"temperatures\" must be a list of numbers; found str"),
     ({**GOOD, "temperatures": [1.0, "2", 0.5, 1.5]}, r"temperature 2 is '2'; expected a number"),

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.decoding import profile
+from dspark_jax.decoding.calibration import Sts
 from dspark_jax.decoding.engine import Engine, Request
 from dspark_jax.decoding.schedulers import SchedulerConfig
 from dspark_jax.errors import DSparkError
@@ -51,8 +52,8 @@ def test_sampled_output_does_not_depend_on_slot_count_or_batch_mates(engine_pair
 
 
 def test_calibration_temperatures_reach_the_confidences(engine_pair):
-    """threshold(t) on σ(z / T): with T = 1000 every confidence is ~0.5, so t = 0.45 verifies
-    every draft the budget allows and t = 0.55 none."""
+    """threshold(t) on σ(z / T + b): with T = 1000 every confidence is ~0.5, so t = 0.45 verifies
+    every draft the budget allows and t = 0.55 none; the bias moves them."""
     tcfg, tparams, dcfg, dparams, _, tok = engine_pair
     req = [Request(id="c", prompt_ids=tuple(tok.encode("Count from 3 to 17.")), max_new_tokens=16)]
     flat = (1000.0,) * dcfg.block_size
@@ -67,6 +68,11 @@ def test_calibration_temperatures_reach_the_confidences(engine_pair):
     generated = np.cumsum([1] + results["low"].accepted)[:-1]  # tokens before each round
     assert results["low"].verified == [min(dcfg.block_size, 16 - g - 1) for g in generated]
     assert set(results["high"].verified) == {0}
+    # A bias of +3 lifts every ~0.5 confidence to σ(3) = 0.95: t = 0.9 now verifies every draft.
+    shifted = Engine(tcfg, tparams, dcfg, dparams, sts=Sts(flat, (3.0,) * dcfg.block_size),
+                     scheduler=SchedulerConfig("threshold", threshold=0.9), **kw)
+    shifted.generate(req, lambda r: results.__setitem__("shifted", r))
+    assert results["shifted"].verified == results["low"].verified
     with pytest.raises(DSparkError, match=f"3 calibration temperatures for a drafter with block size "
                                           f"{dcfg.block_size}"):
         Engine(tcfg, tparams, dcfg, dparams, sts=(1.0, 1.0, 1.0), **kw)

@@ -2,12 +2,15 @@
 
     python -m train.calibrate --target DIR --drafter DIR --prompts FILE [FILE ...] [--out DIR]
         [--eval-fraction 0.3] [--temperature T] [--max-new-tokens N] [--limit N] [--slots R]
+        [--method sts-bias|sts]
 
 Decodes the prompts with the whole block verified (fixed(γ): every position observed) at the
 serving temperature, recording each round's raw confidence logits and how many drafts survived.
 The prompts are split at random (--seed): STS is fitted on the rounds of 1 - eval-fraction of them
-and measured on the rounds of the rest. Writes into --out (default: the drafter's directory):
-  sts.json          the temperatures, which serve.decode applies from the drafter directory
+and measured on the rounds of the rest. `--method sts-bias` (the default) fits a temperature and a
+bias per position, `sts` the paper's temperatures alone (see dspark_jax/decoding/calibration.py
+for why). Writes into --out (default: the drafter's directory):
+  sts.json          temperatures and biases, which serve.decode applies from the drafter directory
   calibration.json  per position on the held-out rounds: ece_before, ece_after, auc, brier (and
                     their before-STS values), with mean_ece_after
   reliability.png   reliability diagrams before and after, per position
@@ -36,6 +39,9 @@ def parse_args(argv):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=0, help="at most this many prompts per file")
     ap.add_argument("--bins", type=int, default=10, help="equal-width ECE bins")
+    ap.add_argument("--method", choices=("sts-bias", "sts"), default="sts-bias",
+                    help="sts-bias: a temperature and a bias per position (default); sts: the paper's "
+                         "temperatures alone")
     args = ap.parse_args(argv)
     problems = cli.engine_flag_problems(args)
     if not 0 < args.eval_fraction < 1:
@@ -94,31 +100,33 @@ def main(argv=None) -> int:
         return 2
     try:
         fitted = calibration.fit_on_results(results, eval_fraction=args.eval_fraction, seed=args.seed,
-                                            bins=args.bins)
+                                            bins=args.bins, method=args.method)
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    temps, report = fitted.temperatures, fitted.report
+    sts, report = fitted.sts, fitted.report
+    temps, biases = sts.temperatures, sts.biases
     z_eval, ell_eval, k_eval = fitted.held_out
     held, fit, z_fit = fitted.prompts_eval, fitted.prompts_fit, fitted.fit_rounds
     info = {"drafter": str(args.drafter), "prompts": [str(p) for p in args.prompts],
             "serving_temperature": args.temperature, "prompts_fit": fit, "prompts_eval": held,
             "rounds_fit": int(z_fit), "rounds_eval": int(len(z_eval)), "bins": args.bins,
-            "tau": metrics["tau"], "seed": args.seed}
+            "tau": metrics["tau"], "seed": args.seed, "method": args.method}
     out_dir.mkdir(parents=True, exist_ok=True)
-    calibration.save_sts(out_dir / "sts.json", temps, mean_ece_after=report["mean_ece_after"], **info)
+    calibration.save_sts(out_dir / "sts.json", sts, mean_ece_after=report["mean_ece_after"], **info)
     (out_dir / "calibration.json").write_text(json.dumps(
-        {**info, "temperatures": temps.tolist(), **report}, indent=2) + "\n")
+        {**info, "temperatures": list(temps), "biases": list(biases), **report}, indent=2) + "\n")
     calibration.reliability_diagram(z_eval, ell_eval, k_eval, temps, out_dir / "reliability.png",
+                                    biases=biases,
                                     bins=args.bins, title=f"{args.drafter}: held-out rounds")
-    print(f"{'j':>2} {'n':>7} {'T':>6} {'accept':>6} {'ece before':>10} {'ece after':>9} "
+    print(f"{'j':>2} {'n':>7} {'T':>6} {'b':>6} {'accept':>6} {'ece before':>10} {'ece after':>9} "
           f"{'auc before':>10} {'auc after':>9} {'brier':>6}")
     for j in range(len(temps)):
         cells = [report[key][j] for key in ("accept_rate", "ece_before", "ece_after", "auc_before",
                                             "auc", "brier")]
         text = " ".join("     -" if c is None else f"{c:>{w}.4f}"
                         for c, w in zip(cells, (6, 10, 9, 10, 9, 6)))
-        print(f"{j + 1:>2} {report['n'][j]:>7} {temps[j]:>6.3f} {text}")
+        print(f"{j + 1:>2} {report['n'][j]:>7} {temps[j]:>6.3f} {biases[j]:>+6.2f} {text}")
     print(f"mean ECE before {report['mean_ece_before']:.4f}, after {report['mean_ece_after']:.4f} "
           f"({len(z_eval)} held-out rounds from {held} prompts; fitted on {z_fit} rounds)")
     print(f"wrote {out_dir / 'sts.json'}, {out_dir / 'calibration.json'}, {out_dir / 'reliability.png'}")

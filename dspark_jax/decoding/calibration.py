@@ -5,6 +5,14 @@ grid temperature minimising the ECE of the prefix survival a_j = Π_{i≤j} σ(z
 1[k ≥ j] over the rounds that verified draft j (ℓ ≥ j). One temperature keeps each position's own
 ranking, but a product of differently scaled factors can reorder slightly, which is why AUC is
 reported before and after.
+
+Two methods. `sts` is the paper's: temperatures only, on a wide grid. `sts-bias` (ours, the
+default) fits a temperature and a bias per position, a_j = Π_{i≤j} σ(z_i / T_i + b_i), by the same
+sequential grid search on a narrower temperature grid. A temperature can only move confidences
+towards or away from 1/2, so a head whose confidences are off by a constant (the tiny demo pair's,
+trained on one corpus and served on another) keeps most of its ECE under `sts`; the bias removes
+it, and the narrow grid keeps the product's ranking, hence AUC, close to the raw one (measured in
+the issue notes). With all biases 0 the two are the same map.
 """
 
 from __future__ import annotations
@@ -20,7 +28,27 @@ import numpy as np
 from dspark_jax.errors import DSparkError
 
 FORMAT = "dspark-sts"
-VERSION = 1
+VERSION = 2  # 2 added "biases"; version 1 files (temperatures only) still load
+METHODS = ("sts-bias", "sts")
+
+
+@dataclass(frozen=True)
+class Sts:
+    """A fitted calibration: c_j = σ(z_j / temperatures[j] + biases[j]) per draft position."""
+
+    temperatures: tuple[float, ...]
+    biases: tuple[float, ...]
+
+    @classmethod
+    def of(cls, value) -> "Sts":
+        """An Sts, or a sequence of temperatures (biases 0)."""
+        if isinstance(value, Sts):
+            return value
+        temps = tuple(float(t) for t in value)
+        return cls(temps, (0.0,) * len(temps))
+
+    def __len__(self) -> int:
+        return len(self.temperatures)
 
 
 class CalibrationError(DSparkError):
@@ -90,12 +118,14 @@ def _log_sigmoid(x: np.ndarray) -> np.ndarray:
     return -np.logaddexp(0.0, -x)
 
 
-def survival(z, temperatures) -> np.ndarray:
-    """Raw confidence logits z [N, γ] and temperatures [γ] -> prefix survival a [N, γ] float64."""
+def survival(z, temperatures, biases=None) -> np.ndarray:
+    """Raw confidence logits z [N, γ], temperatures [γ] and biases [γ] (default 0) -> prefix
+    survival a [N, γ] float64."""
     z = np.asarray(z, np.float64)
     t = np.asarray(temperatures, np.float64)
+    b = np.zeros_like(t) if biases is None else np.asarray(biases, np.float64)
     # Summing log σ keeps deep prefixes of small factors from underflowing term by term.
-    return np.exp(np.cumsum(_log_sigmoid(z / t), axis=-1))
+    return np.exp(np.cumsum(_log_sigmoid(z / t + b), axis=-1))
 
 
 def observations(verified, accepted, gamma: int) -> tuple[np.ndarray, np.ndarray]:
@@ -130,13 +160,17 @@ def _check_record(z, verified, accepted) -> tuple[np.ndarray, np.ndarray, np.nda
     return z, ell.astype(np.int64), k.astype(np.int64)
 
 
-def _check_scored(z, verified, accepted, temperatures):
-    """`_check_record` plus temperatures [γ]; returns (z, observed, outcome, temperatures)."""
+def _check_scored(z, verified, accepted, temperatures, biases=None):
+    """`_check_record` plus temperatures [γ] and biases [γ] (default 0); returns
+    (z, observed, outcome, temperatures, biases)."""
     z, ell, k = _check_record(z, verified, accepted)
     temperatures = np.asarray(temperatures, np.float64)
     if temperatures.shape != (z.shape[1],):
         raise CalibrationError(f"{temperatures.size} temperatures for logits of γ={z.shape[1]}")
-    return (z, *observations(ell, k, z.shape[1]), temperatures)
+    biases = np.zeros_like(temperatures) if biases is None else np.asarray(biases, np.float64)
+    if biases.shape != temperatures.shape:
+        raise CalibrationError(f"{biases.size} biases for {temperatures.size} temperatures")
+    return (z, *observations(ell, k, z.shape[1]), temperatures, biases)
 
 
 def default_grid() -> np.ndarray:
@@ -144,51 +178,72 @@ def default_grid() -> np.ndarray:
     return np.unique(np.append(np.geomspace(0.05, 20.0, 400), 1.0))
 
 
+def bias_grids() -> tuple[np.ndarray, np.ndarray]:
+    """`sts-bias`'s grids: 41 log-spaced temperatures in [0.5, 2] plus 1.0, and 161 biases in
+    [-4, 4] (steps of 0.05, 0 included)."""
+    return (np.unique(np.append(np.geomspace(0.5, 2.0, 41), 1.0)),
+            np.round(np.linspace(-4.0, 4.0, 161), 10))
+
+
 # ---------------------------------------------------------------------------------------------
 # Sequential Temperature Scaling
 
 
-def fit_sts(z, verified, accepted, grid=None, bins: int = 10) -> np.ndarray:
-    """Raw logits z [N, γ], verified ℓ [N], accepted k [N] -> temperatures [γ] float64.
+def fit_sts(z, verified, accepted, grid=None, bins: int = 10, bias_grid=None) -> np.ndarray | Sts:
+    """Raw logits z [N, γ], verified ℓ [N], accepted k [N] -> temperatures [γ] float64 (`bias_grid`
+    None: the paper's STS), or an `Sts` of temperatures and biases searched jointly on `grid` x
+    `bias_grid`, position by position.
 
-    A position no round verified keeps T = 1. Ties in ECE go to the temperature closest to 1 in log
-    space, so including 1.0 in the grid makes each T_j no worse than the identity given T_1..T_{j-1}.
+    A position no round verified keeps T = 1, b = 0. Ties in ECE go to the pair closest to the
+    identity (|log T| first, then |b|), so a grid holding T = 1 and b = 0 makes each position no
+    worse than the identity given the positions before it.
     """
     z, ell, k = _check_record(z, verified, accepted)
     grid = default_grid() if grid is None else np.asarray(grid, np.float64).ravel()
     if grid.size == 0 or not np.all(np.isfinite(grid) & (grid > 0)):
         raise CalibrationError(f"temperature grid must be finite numbers > 0; got {grid.tolist()}")
+    biases_grid = np.zeros(1) if bias_grid is None else np.asarray(bias_grid, np.float64).ravel()
+    if biases_grid.size == 0 or not np.all(np.isfinite(biases_grid)):
+        raise CalibrationError(f"bias grid must be finite numbers; got {biases_grid.tolist()}")
     gamma = z.shape[1]
     observed, outcome = observations(ell, k, gamma)
-    temperatures = np.ones(gamma)
-    distance = np.abs(np.log(grid))
+    # Every (temperature, bias) pair as one candidate: inverse temperatures and biases [G].
+    inv_t = np.repeat(1.0 / grid, biases_grid.size)
+    bias = np.tile(biases_grid, grid.size)
+    distance = np.stack([np.repeat(np.abs(np.log(grid)), biases_grid.size), np.abs(bias)])
+    temperatures, biases = np.ones(gamma), np.zeros(gamma)
     # Bounds the [chunk, n] score matrix at ~32 MB however many rounds there are.
     chunk = max(1, 4_000_000 // max(1, z.shape[0]))
     for j in range(gamma):
         rows = observed[:, j]
         if not rows.any():
             continue
-        log_prefix = _log_sigmoid(z[rows, :j] / temperatures[:j]).sum(axis=1)  # [n]
+        log_prefix = _log_sigmoid(z[rows, :j] / temperatures[:j] + biases[:j]).sum(axis=1)  # [n]
         target = outcome[rows, j].astype(np.float64)
         prefix, z_j = np.exp(log_prefix), z[rows, j]
         with np.errstate(over="ignore"):  # exp(-x) = inf for x << 0 gives σ = 0, as it should
             errors = np.concatenate([
-                _ece_rows(prefix / (1.0 + np.exp(-z_j / g[:, None])), target, bins)
-                for g in np.array_split(grid, math.ceil(grid.size / chunk))])
+                _ece_rows(prefix / (1.0 + np.exp(-(z_j * a[:, None] + b[:, None]))), target, bins)
+                for a, b in zip(np.array_split(inv_t, math.ceil(inv_t.size / chunk)),
+                                np.array_split(bias, math.ceil(bias.size / chunk)))])
         # Summation order can leave float noise between equal ECEs; treat those as ties.
-        tied = errors <= errors.min() + 1e-12
-        temperatures[j] = grid[tied][np.argmin(distance[tied])]
-    return temperatures
+        tied = np.flatnonzero(errors <= errors.min() + 1e-12)
+        best = tied[np.lexsort((distance[1, tied], distance[0, tied]))[0]]
+        temperatures[j], biases[j] = 1.0 / inv_t[best], bias[best]
+    if bias_grid is None:
+        return temperatures
+    return Sts(tuple(temperatures.tolist()), tuple(biases.tolist()))
 
 
-def position_report(z, verified, accepted, temperatures, bins: int = 10) -> dict:
-    """Per-position metrics before (all T = 1) and after STS; lists of length γ.
+def position_report(z, verified, accepted, temperatures, bins: int = 10, biases=None) -> dict:
+    """Per-position metrics before (all T = 1, b = 0) and after calibration; lists of length γ.
 
     None marks a position no round verified, and an AUC where every outcome was the same.
     """
-    z, observed, outcome, temperatures = _check_scored(z, verified, accepted, temperatures)
+    z, observed, outcome, temperatures, biases = _check_scored(z, verified, accepted, temperatures,
+                                                               biases)
     gamma = z.shape[1]
-    before, after = survival(z, np.ones(gamma)), survival(z, temperatures)
+    before, after = survival(z, np.ones(gamma)), survival(z, temperatures, biases)
     keys = ("n", "ece_before", "ece_after", "auc_before", "auc", "brier_before", "brier",
             "accept_rate")
     report: dict = {key: [] for key in keys}
@@ -239,17 +294,35 @@ def _check_temperatures(where: str, temperatures) -> tuple[float, ...]:
     return tuple(out)
 
 
-def save_sts(path, temperatures, **metadata) -> Path:
-    """Writes temperatures [γ] as JSON {"format": "dspark-sts", "version": 1, "block_size": γ,
-    "temperatures": [...], **metadata}."""
+def _check_biases(where: str, biases, count: int) -> tuple[float, ...]:
+    """One error for a bias list of the wrong length or an entry that is not a finite number."""
+    if not isinstance(biases, (list, tuple, np.ndarray)):
+        raise CalibrationError(f"{where}: \"biases\" must be a list of numbers; "
+                               f"found {type(biases).__name__}")
+    if len(biases) != count:
+        raise CalibrationError(f"{where}: {len(biases)} biases for {count} temperatures")
+    out = []
+    for j, b in enumerate(biases, start=1):
+        if isinstance(b, bool) or not isinstance(b, (int, float, np.integer, np.floating)) \
+                or not math.isfinite(b):
+            raise CalibrationError(f"{where}: bias {j} is {b!r}; expected a finite number")
+        out.append(float(b))
+    return tuple(out)
+
+
+def save_sts(path, calibration, **metadata) -> Path:
+    """Writes an `Sts` (or temperatures [γ], biases 0) as JSON {"format": "dspark-sts", "version": 2,
+    "block_size": γ, "temperatures": [...], "biases": [...], **metadata}."""
     path = Path(path)
-    temps = _check_temperatures(str(path), temperatures)
-    reserved = sorted(set(metadata) & {"format", "version", "block_size", "temperatures"})
+    cal = calibration if isinstance(calibration, Sts) else None
+    temps = _check_temperatures(str(path), cal.temperatures if cal else calibration)
+    biases = _check_biases(str(path), cal.biases, len(temps)) if cal else (0.0,) * len(temps)
+    reserved = sorted(set(metadata) & {"format", "version", "block_size", "temperatures", "biases"})
     if reserved:
         raise CalibrationError(f"{path}: metadata may not set {reserved}; "
                                "those keys are written by save_sts")
     data = {"format": FORMAT, "version": VERSION, "block_size": len(temps), "temperatures": list(temps),
-            **metadata}
+            "biases": list(biases), **metadata}
     text = json.dumps(data, indent=2) + "\n"
     # Write then rename, so a reader never sees half a file next to a checkpoint.
     tmp = path.with_name(path.name + ".tmp")
@@ -258,8 +331,9 @@ def save_sts(path, temperatures, **metadata) -> Path:
     return path
 
 
-def load_sts(path, block_size: int) -> tuple[float, ...]:
-    """Reads and checks the calibration file of a drafter of this block size -> temperatures [γ]."""
+def load_sts(path, block_size: int) -> Sts:
+    """Reads and checks the calibration file of a drafter of this block size (a version 1 file has
+    no biases: they are 0)."""
     path = Path(path)
     if not path.is_file():
         raise CalibrationError(f"{path}: no such STS calibration file")
@@ -275,9 +349,9 @@ def load_sts(path, block_size: int) -> tuple[float, ...]:
     if data.get("format") != FORMAT:
         found = "missing" if "format" not in data else repr(data["format"])
         raise CalibrationError(f"{path}: \"format\" is {found}; expected \"{FORMAT}\"")
-    if data.get("version", VERSION) != VERSION:
+    if data.get("version", VERSION) not in (1, VERSION):
         raise CalibrationError(f"{path}: version {data['version']!r}; "
-                               f"this build reads version {VERSION}")
+                               f"this build reads versions 1 and {VERSION}")
     if "temperatures" not in data:
         raise CalibrationError(f"{path}: \"temperatures\" is missing; expected a list of numbers")
     temps = _check_temperatures(str(path), data["temperatures"])
@@ -287,7 +361,9 @@ def load_sts(path, block_size: int) -> tuple[float, ...]:
     if len(temps) != block_size:
         raise CalibrationError(f"{path}: {len(temps)} temperatures for a drafter with block size "
                                f"{block_size}; was it fitted for another drafter?")
-    return temps
+    biases = _check_biases(str(path), data["biases"], len(temps)) if "biases" in data \
+        else (0.0,) * len(temps)
+    return Sts(temps, biases)
 
 
 
@@ -296,17 +372,19 @@ def load_sts(path, block_size: int) -> tuple[float, ...]:
 
 
 def reliability_diagram(z, verified, accepted, temperatures, path, bins: int = 10,
-                        title: str = "") -> Path:
+                        title: str = "", biases=None) -> Path:
     """Writes a PNG: per position, observed prefix acceptance against mean predicted survival per
-    score bin, raw (T = 1) and after STS. Bins of under 10 rounds are not drawn; ECE counts them."""
+    score bin, raw (T = 1, b = 0) and calibrated. Bins of under 10 rounds are not drawn; ECE
+    counts them."""
     # The Figure API with an explicit Agg canvas leaves pyplot's global backend and state alone,
     # and keeps matplotlib out of the import path of the engine.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    z, observed, outcome, temperatures = _check_scored(z, verified, accepted, temperatures)
+    z, observed, outcome, temperatures, biases = _check_scored(z, verified, accepted, temperatures,
+                                                               biases)
     gamma = z.shape[1]
-    curves = {"raw": survival(z, np.ones(gamma)), "STS": survival(z, temperatures)}
+    curves = {"raw": survival(z, np.ones(gamma)), "STS": survival(z, temperatures, biases)}
 
     cols = min(4, gamma)
     rows = math.ceil(gamma / cols)
@@ -320,7 +398,8 @@ def reliability_diagram(z, verified, accepted, temperatures, path, bins: int = 1
         ax.plot([0, 1], [0, 1], color="0.6", linestyle="--", linewidth=1)
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1)
-        ax.set_title(f"position {j + 1}  (T={temperatures[j]:.3g})", fontsize=9)
+        shift = f", b={biases[j]:+.2f}" if biases[j] else ""
+        ax.set_title(f"position {j + 1}  (T={temperatures[j]:.3g}{shift})", fontsize=9)
         sel = observed[:, j]
         if not sel.any():
             ax.text(0.5, 0.5, "no observations", ha="center", va="center", fontsize=9)
@@ -364,9 +443,9 @@ def stack_rounds(results) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 @dataclass(frozen=True)
 class Fitted:
-    """STS fitted on some requests' rounds and measured on the others'."""
+    """A calibration fitted on some requests' rounds and measured on the others'."""
 
-    temperatures: np.ndarray
+    sts: Sts
     report: dict  # position_report on the held-out rounds
     held_out: tuple[np.ndarray, np.ndarray, np.ndarray]  # (z, ℓ, k) of the held-out rounds
     prompts_fit: int
@@ -374,9 +453,12 @@ class Fitted:
     fit_rounds: int
 
 
-def fit_on_results(results, *, eval_fraction: float = 0.3, seed: int = 0, bins: int = 10) -> Fitted:
-    """Splits the results (one per prompt) at random (`seed`), fits STS on the rounds of
-    1 - eval_fraction of them and reports on the rounds of the rest."""
+def fit_on_results(results, *, eval_fraction: float = 0.3, seed: int = 0, bins: int = 10,
+                   method: str = "sts-bias") -> Fitted:
+    """Splits the results (one per prompt) at random (`seed`), fits `method` (`METHODS`) on the
+    rounds of 1 - eval_fraction of them and reports on the rounds of the rest."""
+    if method not in METHODS:
+        raise CalibrationError(f"calibration method {method!r}: expected one of {list(METHODS)}")
     order = np.random.default_rng(seed).permutation(len(results))
     n_eval = max(1, int(round(eval_fraction * len(results))))
     held = [results[i] for i in order[:n_eval]]
@@ -386,6 +468,10 @@ def fit_on_results(results, *, eval_fraction: float = 0.3, seed: int = 0, bins: 
     if not len(z_fit) or not len(evaluated[0]):
         raise DSparkError("no decoding rounds with drafts to fit or to measure on (prompts too "
                           "short, or too few new tokens)")
-    temps = fit_sts(z_fit, ell_fit, k_fit, bins=bins)
-    return Fitted(temps, position_report(*evaluated, temps, bins=bins), evaluated, len(fit),
-                  len(held), len(z_fit))
+    if method == "sts":
+        sts = Sts.of(fit_sts(z_fit, ell_fit, k_fit, bins=bins))
+    else:
+        grid, bias_grid = bias_grids()
+        sts = fit_sts(z_fit, ell_fit, k_fit, grid=grid, bins=bins, bias_grid=bias_grid)
+    report = position_report(*evaluated, sts.temperatures, bins=bins, biases=sts.biases)
+    return Fitted(sts, report, evaluated, len(fit), len(held), len(z_fit))

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.decoding.sampling import PROPOSE, row_keys
-from dspark_jax.decoding.state import Draft, Eagle3Context, EngineShape, EngineState, Verified
+from dspark_jax.decoding.state import Draft, Eagle3Context, EngineShape, EngineState, Verified, calibrated
 from dspark_jax.models import eagle3
 from dspark_jax.models.eagle3 import Eagle3Cache
 
@@ -59,8 +59,7 @@ def propose(shape: EngineShape, state: EngineState, tparams, dparams) -> tuple[E
                           jnp.maximum(s.length - 1, 0), s.temperature, keys)
     top = jnp.clip(jnp.max(jax.nn.softmax(prop.logits, -1), -1), 1e-6, 1 - 1e-6)  # [R, γ]
     z = jnp.log(top) - jnp.log1p(-top)
-    temps = jnp.asarray(shape.sts if shape.sts else (1.0,) * shape.gamma, jnp.float32)
-    c = jax.nn.sigmoid(z / temps)
+    c = jax.nn.sigmoid(calibrated(shape, z))
     draft = Draft(tokens=prop.tokens, probs=prop.probs, conf_logits=z, confidence=c,
                   survival=jnp.cumprod(c, axis=-1))
     return state.replace(draft_cache=ctx.replace(cache=prop.cache)), draft

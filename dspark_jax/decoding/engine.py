@@ -30,6 +30,7 @@ from dspark_jax.config import DrafterConfig, Eagle3Config, TargetConfig
 from dspark_jax.decoding import profile as sps_profile
 from dspark_jax.decoding import rounds
 from dspark_jax.decoding.acceptance import accept
+from dspark_jax.decoding.calibration import Sts
 from dspark_jax.decoding.metrics import Tally
 from dspark_jax.decoding.policies import bucket_for, make_policy
 from dspark_jax.decoding.requests import Request, Result
@@ -86,8 +87,9 @@ class Engine:
 
     `scheduler` picks the round policy (`policies.py`). The load-aware ones (greedy, async) need an
     SPS profile: `sps` (a profile or a path), else a cached start-up profile for this model, slot
-    count, context and device, else one measured at warm-up and cached. `sts`: the calibration
-    temperatures of the confidence head (Eagle3: of its stand-in), one per draft position.
+    count, context and device, else one measured at warm-up and cached. `sts`: the calibration of
+    the confidence head (Eagle3: of its stand-in), a `calibration.Sts` or temperatures alone, one
+    per draft position.
     `pending_context` (DSpark): how many rounds without a proposal a slot may hold its committed
     tokens' features back from the drafter's context before a flush projects them (PendingContext;
     a bigger buffer flushes less often, at R x pending x m·d target-dtype values).
@@ -99,7 +101,7 @@ class Engine:
                  scheduler: SchedulerConfig = SchedulerConfig(), prefill_buckets: Iterable[int] = (),
                  max_prefill_batch: int = 8, max_stop_ids: int = 8, seed: int = 0,
                  acceptance: Callable = accept, mesh: Mesh | None = None,
-                 sts: tuple[float, ...] | None = None,
+                 sts: Sts | tuple[float, ...] | None = None,
                  sps: sps_profile.SpsProfile | str | os.PathLike | None = None,
                  cache_profile: bool = True, logprobs: int = 0, pending_context: int = PENDING):
         if (dcfg is None) != (drafter_params is None):
@@ -113,12 +115,13 @@ class Engine:
             raise DSparkError(f"max_len {max_len}: need at least 2 positions")
         if pending_context < 1:
             raise DSparkError(f"pending_context {pending_context}: must be >= 1")
+        sts = None if sts is None else Sts.of(sts)
         if sts is not None and (dcfg is None or len(sts) != dcfg.proposal_length):
             raise DSparkError(f"{len(sts)} calibration temperatures for a drafter with block size "
                               f"{dcfg.proposal_length if dcfg else 0}")
         self.shape = EngineShape(tcfg=tcfg, dcfg=dcfg, slots=slots, max_len=max_len,
                                  max_stop_ids=max_stop_ids, scheduler=scheduler,
-                                 sts=None if sts is None else tuple(float(t) for t in sts),
+                                 sts=sts,
                                  acceptance=acceptance, logprobs=logprobs, pending=pending_context)
         self.tcfg, self.tparams, self.dcfg, self.dparams = tcfg, target_params, dcfg, drafter_params
         self.R, self.S, self.scheduler, self.NS = slots, max_len, scheduler, max_stop_ids

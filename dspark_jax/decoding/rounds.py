@@ -57,6 +57,7 @@ from dspark_jax.decoding.state import (
     RoundOutput,
     Slots,
     Verified,
+    calibrated,
 )
 from dspark_jax.models.drafter import DraftCache, extend_context, propose
 from dspark_jax.models.target import forward, forward_flat
@@ -198,8 +199,7 @@ def propose_stage(shape: EngineShape, state: EngineState, tparams, dparams) -> D
     if not dcfg.enable_confidence_head:
         top = jnp.clip(jnp.max(jax.nn.softmax(prop.base_logits, -1), -1), 1e-6, 1 - 1e-6)
         z = jnp.log(top) - jnp.log1p(-top)
-    temps = jnp.asarray(shape.sts if shape.sts else (1.0,) * dcfg.block_size, jnp.float32)
-    c = jax.nn.sigmoid(z / temps)
+    c = jax.nn.sigmoid(calibrated(shape, z))
     return Draft(tokens=prop.tokens, probs=prop.probs, conf_logits=z, confidence=c,
                  survival=jnp.cumprod(c, axis=-1))
 

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dspark_jax.config import DrafterConfig, Eagle3Config, TargetConfig
 from dspark_jax.decoding.acceptance import accept
+from dspark_jax.decoding.calibration import Sts
 from dspark_jax.decoding.schedulers import SchedulerConfig
 from dspark_jax.models.drafter import DraftCache
 from dspark_jax.models.eagle3 import Eagle3Cache
@@ -41,7 +42,7 @@ class EngineShape:
     max_len: int  # S, context positions per slot
     max_stop_ids: int  # NS
     scheduler: SchedulerConfig
-    sts: tuple[float, ...] | None = None  # calibration temperatures per draft position
+    sts: Sts | None = None  # the confidence calibration, one temperature and bias per draft position
     acceptance: Callable = accept  # the rule; replaceable only to test that tests can fail
     logprobs: int = 0  # N > 0: every committed token's target logprob and the top N; 0 = off
     pending: int = PENDING  # rounds without a proposal a slot's PendingContext holds
@@ -101,6 +102,14 @@ class Eagle3Context:
     def create(cls, tcfg: TargetConfig, ecfg: Eagle3Config, slots: int, max_len: int) -> "Eagle3Context":
         return cls(cache=Eagle3Cache.create(tcfg, ecfg, slots, max_len),
                    hidden=jnp.zeros((slots, tcfg.hidden_size), jnp.dtype(ecfg.dtype)))
+
+
+def calibrated(shape: EngineShape, z: jax.Array) -> jax.Array:
+    """Confidence logits z [R, γ] under the engine's calibration: z / T_j + b_j (z when none)."""
+    if shape.sts is None:
+        return z
+    temps = jnp.asarray(shape.sts.temperatures, jnp.float32)
+    return z / temps + jnp.asarray(shape.sts.biases, jnp.float32)
 
 
 @struct.dataclass
