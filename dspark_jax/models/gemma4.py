@@ -38,7 +38,7 @@ from dspark_jax.models.gemma4_layers import (
     value_norm,
 )
 from dspark_jax.models.layers import rms_norm
-from dspark_jax.models.target import TargetOutput, lm_head, param_dtype
+from dspark_jax.models.target import Taps, TargetOutput, lm_head, param_dtype
 from dspark_jax.params import ArrayInfo
 
 EMPTY = -1  # ring slot position of a slot that holds nothing
@@ -161,26 +161,15 @@ def _run_layers(params, cfg: TargetConfig, x: jax.Array, positions: jax.Array, a
     full-sequence, cached and flat forwards; `index` is the layer's place in its type's stack. The
     cache rides in the carry and is updated by scatters, so a donated cache is written in place.
     """
-    B, T, d = x.shape
     period = layer_period(cfg)
     p, n_periods = len(period), cfg.num_hidden_layers // len(period)
     per_type = {True: sum(period), False: p - sum(period)}
     stacks = {sliding: jax.tree.map(lambda a: a.reshape(n_periods, per_type[sliding], *a.shape[1:]),
                                     params["sliding" if sliding else "full"])
               for sliding in (True, False)}
-    taps_ids = cfg.target_layer_ids
-    m = len(taps_ids)
-    slot_of_layer = [-1] * cfg.num_hidden_layers  # layer id -> its place in the taps, or -1
-    for slot, layer_id in enumerate(taps_ids):
-        if layer_id >= 0:
-            slot_of_layer[layer_id] = slot
-    slot_of_layer = jnp.asarray(slot_of_layer)
-    taps_buf = jnp.zeros((max(m, 1), B, T, d), x.dtype)
-    if m and taps_ids[0] == -1:
-        taps_buf = taps_buf.at[0].set(x)
 
     def period_step(carry, xs):
-        x, taps_buf, kv = carry
+        x, taps, kv = carry
         layers, i = xs
         seen = {True: 0, False: 0}
         for j, sliding in enumerate(period):
@@ -189,17 +178,13 @@ def _run_layers(params, cfg: TargetConfig, x: jax.Array, positions: jax.Array, a
             layer = jax.tree.map(lambda a: a[within], layers[sliding])
             index = i * per_type[sliding] + within
             x, kv = _layer(layer, cfg, sliding, index, x, positions, attend, kv)
-            slot = slot_of_layer[i * p + j]
-            safe = jnp.maximum(slot, 0)
-            keep = jnp.where(slot >= 0, x, taps_buf[safe])
-            taps_buf = jax.lax.dynamic_update_index_in_dim(taps_buf, keep, safe, 0)
-        return (x, taps_buf, kv), None
+            taps = taps.record(i * p + j, x)
+        return (x, taps, kv), None
 
-    (x, taps_buf, kv), _ = jax.lax.scan(period_step, (x, taps_buf, kv),
-                                        (stacks, jnp.arange(n_periods)))
+    (x, taps, kv), _ = jax.lax.scan(period_step, (x, Taps.start(cfg, x), kv),
+                                    (stacks, jnp.arange(n_periods)))
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    taps = jnp.moveaxis(taps_buf[:m], 0, 2).reshape(B, T, m * d)
-    return hidden, taps, kv
+    return hidden, taps.concatenated(cfg.num_taps), kv
 
 
 # ----------------------------------------------------------------------------- masks and ring writes

@@ -115,6 +115,43 @@ def lm_head(params, cfg: TargetConfig, hidden_btd: jax.Array) -> jax.Array:
     return softcap(logits, cfg.final_logit_softcapping)
 
 
+@struct.dataclass
+class Taps:
+    """The tapped layer outputs as a decoder stack collects them (both families' stacks use it).
+
+    `buf` [max(m, 1), B, T, d] holds tap i in row i (the embedding output already in row 0 when
+    layer -1 is tapped); `slot_of_layer` [L] is a layer's row, or -1 when it is not tapped.
+    """
+
+    buf: jax.Array
+    slot_of_layer: jax.Array
+
+    @classmethod
+    def start(cls, cfg: TargetConfig, x: jax.Array) -> "Taps":
+        """Empty taps for the embedded stream x [B, T, d]."""
+        ids = cfg.target_layer_ids
+        slot_of_layer = [-1] * cfg.num_hidden_layers
+        for slot, layer_id in enumerate(ids):
+            if layer_id >= 0:
+                slot_of_layer[layer_id] = slot
+        buf = jnp.zeros((max(len(ids), 1),) + x.shape, x.dtype)
+        if ids and ids[0] == -1:
+            buf = buf.at[0].set(x)
+        return cls(buf=buf, slot_of_layer=jnp.asarray(slot_of_layer, jnp.int32))
+
+    def record(self, layer_id: jax.Array, x: jax.Array) -> "Taps":
+        """Keeps x as layer `layer_id`'s output when that layer is tapped (a traced id is fine)."""
+        slot = self.slot_of_layer[layer_id]
+        safe = jnp.maximum(slot, 0)
+        keep = jnp.where(slot >= 0, x, self.buf[safe])
+        return self.replace(buf=jax.lax.dynamic_update_index_in_dim(self.buf, keep, safe, 0))
+
+    def concatenated(self, m: int) -> jax.Array:
+        """[B, T, m*d], the taps side by side in target_layer_ids order."""
+        B, T, d = self.buf.shape[1:]
+        return jnp.moveaxis(self.buf[:m], 0, 2).reshape(B, T, m * d)
+
+
 def _run_layers(params, cfg: TargetConfig, x: jax.Array, positions: jax.Array, attend, kv):
     """The decoder stack under lax.scan; returns (final normed hidden, taps [.., m*d], kv).
 
@@ -123,21 +160,10 @@ def _run_layers(params, cfg: TargetConfig, x: jax.Array, positions: jax.Array, a
     the scan carry and is updated by scatters at the layer index, so a donated cache is written in
     place: a round costs the new tokens' keys and values, not a copy of the cache.
     """
-    B, T, d = x.shape
     eps = cfg.rms_norm_eps
-    taps_ids = cfg.target_layer_ids
-    m = len(taps_ids)
-    # slot_of_layer[i] = index of layer i in the taps buffer, or -1.
-    slot_of_layer = [-1] * cfg.num_hidden_layers
-    for slot, layer_id in enumerate(taps_ids):
-        if layer_id >= 0:
-            slot_of_layer[layer_id] = slot
-    taps_buf = jnp.zeros((max(m, 1), B, T, d), x.dtype)
-    if m and taps_ids[0] == -1:
-        taps_buf = taps_buf.at[0].set(x)
 
     def layer_step(carry, xs):
-        x, taps_buf, kv = carry
+        x, taps, kv = carry
         layer, layer_id = xs
         q, k, v = project_qkv(rms_norm(x, layer["attn_norm"], eps), layer, eps)
         q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
@@ -145,17 +171,12 @@ def _run_layers(params, cfg: TargetConfig, x: jax.Array, positions: jax.Array, a
         x = x + jnp.einsum("btnh,nhd->btd", out, layer["wo"])
         h = rms_norm(x, layer["mlp_norm"], eps)
         x = x + swiglu(h, layer["w_gate"], layer["w_up"], layer["w_down"])
-        slot = jnp.asarray(slot_of_layer)[layer_id]
-        safe = jnp.maximum(slot, 0)
-        keep = jnp.where(slot >= 0, x, taps_buf[safe])
-        taps_buf = jax.lax.dynamic_update_index_in_dim(taps_buf, keep, safe, 0)
-        return (x, taps_buf, kv), None
+        return (x, taps.record(layer_id, x), kv), None
 
     layer_ids = jnp.arange(cfg.num_hidden_layers)
-    (x, taps_buf, kv), _ = jax.lax.scan(layer_step, (x, taps_buf, kv), (params["layers"], layer_ids))
+    (x, taps, kv), _ = jax.lax.scan(layer_step, (x, Taps.start(cfg, x), kv), (params["layers"], layer_ids))
     hidden = rms_norm(x, params["final_norm"], eps)
-    taps = jnp.moveaxis(taps_buf[:m], 0, 2).reshape(B, T, m * d)
-    return hidden, taps, kv
+    return hidden, taps.concatenated(cfg.num_taps), kv
 
 
 def forward(params, cfg: TargetConfig, tokens: jax.Array, positions: jax.Array, *,
