@@ -317,6 +317,9 @@ class Config:
         if isinstance(d, Eagle3Config):
             _require(self.target.num_taps > 0, "target.target_layer_ids",
                      "an Eagle3 drafter fuses tapped target layers: name at least one")
+            _require(self.target.family == "qwen3", "drafter.kind",
+                     f"eagle3 drafters run on qwen3 targets only, not on target.family "
+                     f"{self.target.family} (use kind dspark)")
 
 
 # ----------------------------------------------------------------------------- generic machinery
