@@ -257,7 +257,7 @@ class MeshConfig:
 class TrainConfig:
     """Drafter training (defaults: the released DeepSpec runs, DESIGN §10)."""
 
-    target_dir: str = ""  # Hugging Face Qwen3 directory; "" = random target (smoke runs, benchmarks)
+    target_dir: str = ""  # Hugging Face Qwen3/Gemma4 directory; "" = random target (smoke runs, benchmarks)
     data_file: str = ""  # JSONL conversations
     tokenizer_dir: str = ""  # "" = target_dir
     workdir: str = "runs/drafter"
