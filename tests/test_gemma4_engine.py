@@ -5,16 +5,20 @@ gemma4: the tiny random Gemma4 target, window 8, and its DeepSpec Gemma4 DSpark 
    longer than the window, six requests through two slots (requests join mid-run and reuse a slot
    whose ring still holds the previous request's keys): the async scheduler on one device, fixed on
    a (data 2, tensor 2) mesh (the drafter's single KV head held whole by each tensor device, the
-   target's sliding layers' two split), so the mesh gives the one-device tokens. Each engine runs the golden drafter (random: nothing is
-   accepted) and, with the same compiled programs, a `bigram_drafter`: the golden drafter with its
-   Markov head rewritten to propose the reference continuations' bigrams, so that blocks are
-   accepted whole, in part, or not at all.
+   target's sliding layers' two split), both against transformers (which `test_gemma4_target` shows
+   plain decoding equals), so the mesh gives the one-device tokens. Each engine runs the golden
+   drafter (random: nothing is accepted) and, with the same compiled programs, a `bigram_drafter`:
+   the golden drafter with its Markov head rewritten to propose the reference continuations'
+   bigrams, so that blocks are accepted whole, in part, or not at all.
 2. Lossless sampling on a tiny random Gemma4 target (vocabulary 8, window 3, a sliding and a full
    layer, keys as values, partial RoPE, softcap): the chi-square test of `test_lossless_sampling`
    and its negative control.
 3. `python -m serve.decode` on the golden pair (Gemma4 chat template, stop ids from
    generation_config) and the refusal of drafters of another family; training a few steps of the
    Gemma4 drafter on the golden target, exported and read back; `use_bidirectional_attention`.
+
+A DFlash drafter (no Markov or confidence head) is not run here: what it changes is the heads,
+which do not depend on the target's family, and its programs would be another set to compile.
 
 Compile time dominates (every program of the unrolled 8-layer golden target takes seconds): the
 mesh engine is the one the command-line test's subprocess builds (`--data-parallel 2
