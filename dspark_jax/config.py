@@ -257,7 +257,7 @@ class MeshConfig:
 class TrainConfig:
     """Drafter training (defaults: the released DeepSpec runs, DESIGN §10)."""
 
-    target_dir: str = ""  # Hugging Face Qwen3 directory; "" = random target (smoke runs, benchmarks)
+    target_dir: str = ""  # Hugging Face Qwen3/Gemma4 directory; "" = random target (smoke runs, benchmarks)
     data_file: str = ""  # JSONL conversations
     tokenizer_dir: str = ""  # "" = target_dir
     workdir: str = "runs/drafter"
@@ -317,6 +317,9 @@ class Config:
         if isinstance(d, Eagle3Config):
             _require(self.target.num_taps > 0, "target.target_layer_ids",
                      "an Eagle3 drafter fuses tapped target layers: name at least one")
+            _require(self.target.family == "qwen3", "drafter.kind",
+                     f"eagle3 drafters run on qwen3 targets only, not on target.family "
+                     f"{self.target.family} (use kind dspark)")
 
 
 # ----------------------------------------------------------------------------- generic machinery

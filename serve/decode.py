@@ -78,7 +78,8 @@ def parse_args(argv):
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--enable-thinking", action="store_true",
                     help="render chat prompts with thinking on (default off, as DeepSpec's evaluator: "
-                         "Qwen3's generation prompt then ends with an empty think block)")
+                         "Qwen3's generation prompt then ends with an empty think block, Gemma4's "
+                         "with the empty thought channel)")
     ap.add_argument("--stop", action="append", default=[], metavar="STR",
                     help="stop string (repeatable); the output ends before it")
     ap.add_argument("--logprobs", type=int, default=None, metavar="N",

@@ -92,7 +92,7 @@ def check_paths(args) -> Path:
     target, data = Path(args.target), Path(args.data)
     out = shard_path(args.out, args.process_id, args.num_processes)
     if not (target / "config.json").is_file():
-        raise DSparkError(f"--target {target}: no config.json there (expected a Hugging Face Qwen3 directory)")
+        raise DSparkError(f"--target {target}: no config.json there (expected a Hugging Face Qwen3 or Gemma4 directory)")
     if args.drafter.lower() != "none" and not (Path(args.drafter) / "config.json").is_file():
         raise DSparkError(f"--drafter {args.drafter}: no config.json there (expected a DeepSpec "
                           "drafter directory, or 'none')")

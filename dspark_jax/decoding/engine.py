@@ -108,6 +108,9 @@ class Engine:
             raise ValueError("give both the drafter config and its params, or neither")
         if not 0 <= logprobs <= tcfg.vocab_size:
             raise DSparkError(f"logprobs {logprobs}: must be in [0, {tcfg.vocab_size}] (0 = off)")
+        if isinstance(dcfg, Eagle3Config) and tcfg.family != "qwen3":
+            raise DSparkError(f"an Eagle3 drafter runs on qwen3 targets only; the target is "
+                              f"{tcfg.family}")
         if max_len > tcfg.max_position_embeddings:
             raise DSparkError(f"max_len {max_len} exceeds the target's max_position_embeddings "
                               f"{tcfg.max_position_embeddings}")

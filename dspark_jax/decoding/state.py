@@ -193,7 +193,8 @@ class RoundOutput:
 
 def init_state(shape: EngineShape, seed: int, mesh: Mesh | None = None) -> EngineState:
     """Empty slots and zeroed caches; on `mesh`, requests over (data, fsdp), KV heads over tensor
-    and the small per-slot arrays replicated."""
+    (a single KV head is held whole: the caches' `logical_axes`) and the small per-slot arrays
+    replicated."""
     R, NS = shape.slots, shape.max_stop_ids
     slots = Slots(active=np.zeros(R, bool), length=np.zeros(R, np.int32),
                   anchor=np.zeros(R, np.int32), generated=np.zeros(R, np.int32),
@@ -214,17 +215,17 @@ def init_state(shape: EngineShape, seed: int, mesh: Mesh | None = None) -> Engin
                         draft_cache=draft, pending=pending, key=jax.random.key(seed))
     if mesh is None:
         return jax.tree.map(jnp.asarray, state)
-    cache = NamedSharding(mesh, logical_to_spec(
-        ("layers", "batch", "cache_seq", "kv_heads", "head_dim")))
     replicated = NamedSharding(mesh, PartitionSpec())
     shard = jax.tree.map(lambda _: replicated, state)
+    by_axes = lambda axes_tree: jax.tree.map(  # noqa: E731
+        lambda axes: NamedSharding(mesh, logical_to_spec(axes)), axes_tree,
+        is_leaf=lambda x: isinstance(x, tuple))
     if isinstance(draft, Eagle3Context):  # one layer: no layers axis
         one = NamedSharding(mesh, logical_to_spec(("batch", "cache_seq", "kv_heads", "head_dim")))
         draft_shard = Eagle3Context(cache=Eagle3Cache(k=one, v=one), hidden=replicated)
     else:
-        draft_shard = None if draft is None else DraftCache(k=cache, v=cache)
-    target_shard = jax.tree.map(lambda axes: NamedSharding(mesh, logical_to_spec(axes)),
-                                target_cache.logical_axes(), is_leaf=lambda x: isinstance(x, tuple))
+        draft_shard = None if draft is None else by_axes(draft.logical_axes())
+    target_shard = by_axes(target_cache.logical_axes())
     shard = shard.replace(target_cache=target_shard, draft_cache=draft_shard)
     return jax.device_put(state, shard)
 

@@ -331,6 +331,10 @@ def load_pair(target_dir: str | Path, drafter_dir: str | Path | None, mesh: Mesh
     if not isinstance(taps, list) or not isinstance(mask, int):
         raise CheckpointError(f"{where}: needs target_layer_ids (list) and mask_token_id (int)")
     base = hf_checkpoint.load_target_config(target_dir)
+    family = drafter_family(drafter_cfg)
+    if family != base.family:
+        raise CheckpointError(f"{where}: a {ARCHITECTURES[family]} drafter (for {family} targets) "
+                              f"cannot run on the {base.family} target {target_dir}")
     try:
         dataclasses.replace(base, target_layer_ids=tuple(taps), mask_token_id=mask)
     except DSparkError as e:

@@ -54,8 +54,17 @@ def eagle3_key_map(tcfg: TargetConfig, ecfg: Eagle3Config) -> list[TensorMap]:
     return rows
 
 
+def refuse_other_families(family: str, where: str, target_dir=None) -> None:
+    """DeepSpec's Eagle3 drafter exists for Qwen3 targets only (a Qwen3 layer over their features)."""
+    if family != "qwen3":
+        named = f" {target_dir}" if target_dir else ""
+        raise CheckpointError(f"{where}: an Eagle3 drafter ({ARCHITECTURE}) runs on qwen3 targets "
+                              f"only; the target{named} is {family}")
+
+
 def eagle3_config_from_hf(hf: dict, tcfg: TargetConfig, where: str) -> Eagle3Config:
     """Eagle3Config from a DeepSpec config.json, checking that it fits the target."""
+    refuse_other_families(tcfg.family, where)
     problems = target_fit_problems(hf, tcfg)
     if problems:
         raise CheckpointError(f"{where}: Eagle3 drafter does not fit the target: " + "; ".join(problems))
@@ -139,6 +148,7 @@ def load_eagle3_pair(target_dir: str | Path, drafter_dir: str | Path, mesh: Mesh
 
     cfg_path, hf = _read_config(Path(drafter_dir))
     base = hf_checkpoint.load_target_config(target_dir)
+    refuse_other_families(base.family, str(cfg_path), target_dir)
     try:
         dataclasses.replace(base, target_layer_ids=tuple(hf["target_layer_ids"]))
     except DSparkError as e:

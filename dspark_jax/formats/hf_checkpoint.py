@@ -232,8 +232,10 @@ def _refuse_unsupported_gemma4(text: dict, where: str, scope: str) -> None:
          "KV sharing between layers is not supported (need 0)"),
         ("use_double_wide_mlp", text.get("use_double_wide_mlp"), bool(text.get("use_double_wide_mlp")),
          "the double-wide MLP is not supported"),
+        # "vision": image tokens attend bidirectionally, text causally (what text input is here).
         ("use_bidirectional_attention", text.get("use_bidirectional_attention"),
-         bool(text.get("use_bidirectional_attention")), "only causal attention is supported (need null)"),
+         text.get("use_bidirectional_attention") not in (None, False, "vision"),
+         "only causal attention over text is supported (need null or \"vision\")"),
         ("attention_bias", text.get("attention_bias"), bool(text.get("attention_bias")),
          "attention biases are not supported"),
         ("hidden_activation", text.get("hidden_activation", "gelu_pytorch_tanh"),

@@ -351,6 +351,12 @@ class DraftCache:
         zeros = jnp.zeros(shape, jnp.dtype(dcfg.dtype))
         return cls(k=zeros, v=jnp.zeros_like(zeros))  # distinct buffers: both are donated
 
+    def logical_axes(self) -> "DraftCache":
+        """The logical axes of each array; a single KV head (a Gemma4 drafter's) is not split over
+        tensor devices but held whole by each (`gemma4_layers.kv_heads_axis`)."""
+        axes = ("layers", "batch", "cache_seq", g4.kv_heads_axis(self.k.shape[3]), "head_dim")
+        return DraftCache(k=axes, v=axes)
+
 
 def extend_context(dparams, tcfg: TargetConfig, dcfg: DrafterConfig, cache: DraftCache,
                    taps: jax.Array, positions: jax.Array, valid: jax.Array) -> DraftCache:
