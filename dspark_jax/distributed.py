@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
@@ -27,3 +29,30 @@ def any_process(flag: bool) -> bool:
     if jax.process_count() == 1:
         return bool(flag)
     return bool(np.any(multihost_utils.process_allgather(np.asarray([flag], np.int32))))
+
+
+def is_lead() -> bool:
+    """Whether this process is the one that writes a job's files and prints its progress."""
+    return jax.process_index() == 0
+
+
+def from_lead(values) -> np.ndarray:
+    """Process 0's `values` (an int32 array of a shape every process passes alike), in every
+    process (a collective). For host decisions that must not differ between the processes of a
+    job, such as ones that read the host's clock."""
+    values = np.asarray(values, np.int32)
+    if jax.process_count() == 1:
+        return values
+    return np.asarray(multihost_utils.broadcast_one_to_all(values))
+
+
+def share_json(obj):
+    """Process 0's JSON-serialisable `obj`, in every process (a collective; what the others pass
+    is ignored)."""
+    if jax.process_count() == 1:
+        return obj
+    data = json.dumps(obj).encode() if is_lead() else b""
+    size = int(from_lead([len(data)])[0])
+    buf = np.zeros(size, np.uint8)
+    buf[:len(data)] = np.frombuffer(data, np.uint8)
+    return json.loads(bytes(multihost_utils.broadcast_one_to_all(buf)))
