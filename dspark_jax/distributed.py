@@ -31,6 +31,23 @@ def any_process(flag: bool) -> bool:
     return bool(np.any(multihost_utils.process_allgather(np.asarray([flag], np.int32))))
 
 
+def wait_for_all(name: str, timeout_s: int = 3600) -> None:
+    """Returns when every process of the job has called it with `name` (the coordination service's
+    barrier, not a device collective). Before the first collective after a long local phase, such
+    as compiling every program: the processes finish it minutes apart on a busy machine, and a
+    CPU (gloo) collective waits only 30 s for its peers when it first sets up."""
+    if jax.process_count() == 1:
+        return
+    from orbax.checkpoint import multihost
+
+    _barriers[name] = _barriers.get(name, 0) + 1  # a barrier's id must be new each time
+    multihost.get_barrier_sync_fn()(key=f"dspark {name} {_barriers[name]}",
+                                    timeout_ms=timeout_s * 1000)
+
+
+_barriers: dict[str, int] = {}
+
+
 def is_lead() -> bool:
     """Whether this process is the one that writes a job's files and prints its progress."""
     return jax.process_index() == 0

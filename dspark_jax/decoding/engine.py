@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dspark_jax import distributed
 from dspark_jax.config import DrafterConfig, Eagle3Config, TargetConfig
 from dspark_jax.decoding import profile as sps_profile
 from dspark_jax.decoding import rounds
@@ -223,6 +224,7 @@ class Engine:
                 self._program(("prefill", J, P))
         for key in self.policy.programs() + [("end",)]:
             self._program(key)
+        distributed.wait_for_all("engine warm-up")  # before the first collective
         self.policy.warm()
         self._warm = True
         if self.scheduler.load_aware and self.dcfg is not None and self.profile is None:
