@@ -39,7 +39,10 @@ from pathlib import Path
 
 GIB = 1024 ** 3
 DEFAULT_HBM = "H100=80,H200=141,TPUv5p=95"
-DEFAULT_TRAIN_LAYOUTS = ("", "mesh.data=1,mesh.fsdp=-1")
+# the preset's mesh (data over every device) and ZeRO-3 over every device, each with the recipe's
+# global batch and with one sequence per device (the recipe's 512 do not fit: see the docs' table)
+DEFAULT_TRAIN_LAYOUTS = ("", "train.global_batch_size={n}", "mesh.data=1,mesh.fsdp=-1",
+                         "mesh.data=1,mesh.fsdp=-1,train.global_batch_size={n}")
 DEFAULT_DECODE_LAYOUTS = ("1,1", "1,8", "8,1")
 PREFILL_BATCH = 8  # the engine's default largest prefill batch (Engine max_prefill_batch)
 
