@@ -53,6 +53,41 @@ def add_scheduler_flags(ap: argparse.ArgumentParser) -> None:
                     help="SPS profile (serve.profile); default: a cached start-up profile")
 
 
+def add_distributed_flags(ap: argparse.ArgumentParser) -> None:
+    """The multi-process flags of train.drafter: every process runs the same command, joined by
+    jax.distributed into one job whose mesh spans them all."""
+    dist = ap.add_argument_group("multi-process jobs (the same command on every process; one mesh "
+                                 "over all their devices)")
+    dist.add_argument("--distributed", action="store_true",
+                      help="join a jax.distributed job detected from the environment (TPU pods, "
+                           "SLURM...)")
+    dist.add_argument("--coordinator", metavar="HOST:PORT",
+                      help="address of process 0 (explicit alternative to detection)")
+    dist.add_argument("--num-processes", type=int, help="with --coordinator: processes in the job")
+    dist.add_argument("--process-id", type=int, help="with --coordinator: this process, in [0, N)")
+
+
+def distributed_flag_problems(args) -> list[str]:
+    problems = []
+    if args.coordinator:
+        n, i = args.num_processes, args.process_id
+        if n is None or i is None:
+            problems.append("--coordinator needs --num-processes and --process-id")
+        elif n < 1 or not 0 <= i < n:
+            problems.append(f"--process-id {i} --num-processes {n}: need N >= 1 and 0 <= I < N")
+    elif args.num_processes is not None or args.process_id is not None:
+        problems.append("--num-processes and --process-id go with --coordinator HOST:PORT")
+    return problems
+
+
+def join_job(args) -> None:
+    """Joins the jax.distributed job the flags name, if any; before anything touches a device."""
+    if args.distributed or args.coordinator:
+        from dspark_jax import distributed
+
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+
+
 def add_drafter_flag(ap: argparse.ArgumentParser, *, none: bool = True) -> None:
     """--drafter: a DeepSpec directory or a bundled name (default: the bundled drafter when the
     target is the bundled one; otherwise it must be given)."""
@@ -124,10 +159,19 @@ def setup_jax(args) -> None:
 
 
 def make_mesh(args):
+    """The (data, 1, tensor) mesh of the flags; in a multi-process job it must take every device
+    of every process (each process runs every program)."""
+    import jax
+
     from dspark_jax.config import MeshConfig
     from dspark_jax.sharding import make_mesh as build
 
-    return build(MeshConfig(data=args.data_parallel, fsdp=1, tensor=args.tensor_parallel))
+    D, T = args.data_parallel, args.tensor_parallel
+    if jax.process_count() > 1 and D * T != jax.device_count():
+        raise DSparkError(f"--data-parallel {D} x --tensor-parallel {T} = {D * T} devices, but the "
+                          f"job has {jax.device_count()} over {jax.process_count()} processes: a mesh "
+                          "spanning processes must use every device")
+    return build(MeshConfig(data=D, fsdp=1, tensor=T))
 
 
 def load_models(args, mesh):
@@ -206,13 +250,14 @@ def read_requests(path: Path, tokenizer, check, *, max_new_tokens: int, temperat
 
 
 def read_prompt_file(path: Path, tokenizer, check, defaults, *, per_record: bool = True,
-                     enable_thinking: bool = False):
+                     enable_thinking: bool = False, quiet: bool = False):
     """(requests, {id: (prompt text, SamplingSettings)}, errors): every line is handled on its own;
     a bad one is reported on stderr with its file and line and skipped. `defaults`: the
     SamplingSettings of a record that names none of its own (with `per_record`, a record's
     temperature, top_p, top_k, max_new_tokens, stop and seed override them). `check(request)`
     raises for a request the engine cannot serve. Stop ids: the tokenizer's. `enable_thinking` goes
-    to the chat template (off by default, as DeepSpec's evaluator)."""
+    to the chat template (off by default, as DeepSpec's evaluator). `quiet`: bad records are only
+    returned, not printed (the processes of a job other than the first)."""
     from dspark_jax.decoding.engine import Request
     from dspark_jax.formats.records import encode_prompt_record, iter_jsonl
 
@@ -239,7 +284,8 @@ def read_prompt_file(path: Path, tokenizer, check, defaults, *, per_record: bool
                 raise DSparkError(f"{where}: {e}") from None
         except DSparkError as e:
             errors.append(str(e))
-            print(f"error: {e}", file=sys.stderr)
+            if not quiet:
+                print(f"error: {e}", file=sys.stderr)
             continue
         prompts[rec.id] = (rec.prompt_text, settings)
         requests.append(req)

@@ -7,6 +7,7 @@
         [--logprobs N] [--slots R] [--max-len S] [--scheduler async|greedy|fixed|threshold]
         [--verify-len L] [--threshold t] [--bucket-fill] [--sts FILE|none] [--sps FILE] [--seed S]
         [--enable-thinking] [--recompile-guard]
+        [--distributed | --coordinator HOST:PORT --num-processes N --process-id I]
 
 Prompt records (JSONL): {"prompt": "..."} (raw text, verbatim), {"turns": [...]} and
 {"conversations": [...]} (chat template), with an optional "id". A record may carry its own
@@ -35,10 +36,17 @@ confidences are calibrated with its directory's sts.json (`python -m train.calib
 is one. With a fixed seed, a request's sampled output under plain decoding or fixed(ℓ) does not
 depend on the slot count or its batch-mates; under the load-aware schedulers its distribution does
 not, but which drafts get verified does, and so does the realisation.
+
+On several hosts every process runs the same command (--distributed, or --coordinator with
+--num-processes and --process-id, as train.drafter); --data-parallel x --tensor-parallel must then
+cover every device of the job. Each process reads the prompts and the models itself and runs the
+same host loop; the scheduler's host decisions are process 0's (`dspark_jax.distributed`), and
+only process 0 prints and writes --out and --metrics.
 """
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import re
@@ -87,6 +95,7 @@ def parse_args(argv):
     cli.add_scheduler_flags(ap)
     ap.add_argument("--recompile-guard", action="store_true",
                     help="fail if anything compiles after warm-up")
+    cli.add_distributed_flags(ap)
     args = ap.parse_args(argv)
     problems = []
     if args.temperature is not None and not args.temperature >= 0:
@@ -102,6 +111,7 @@ def parse_args(argv):
     if args.logprobs is not None and not 0 <= args.logprobs <= MAX_LOGPROBS:
         problems.append(f"--logprobs {args.logprobs}: must be in [0, {MAX_LOGPROBS}]")
     problems += cli.engine_flag_problems(args)
+    problems += cli.distributed_flag_problems(args)
     inputs = {"--prompts": args.prompts, "--sps": args.sps,
               "--sts": args.sts if args.sts.lower() != "none" else ""}
     problems += cli.output_problems({"--out": args.out, "--metrics": args.metrics}, inputs)
@@ -123,10 +133,18 @@ def default_settings(args):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    cli.join_job(args)  # before anything touches a device
+    import jax
+
+    from dspark_jax import distributed
     from dspark_jax.decoding.engine import Engine
     from dspark_jax.formats.records import iter_jsonl
     from dspark_jax.formats.tokenizer import load_tokenizer
 
+    if jax.process_count() > 1:  # jax.distributed's preemption notifier would swallow it
+        signal.signal(signal.SIGTERM, _terminate)
+    lead = distributed.is_lead()
+    say = functools.partial(print, file=sys.stderr, flush=True) if lead else lambda *a, **k: None
     try:
         if not Path(args.prompts).is_file():
             raise DSparkError(f"{args.prompts}: prompt file not found")
@@ -147,7 +165,8 @@ def main(argv=None) -> int:
                         logprobs=0 if args.logprobs is None else max(args.logprobs, 1))
         requests, prompts, errors = cli.read_prompt_file(Path(args.prompts), tokenizer,
                                                          engine.check_request, defaults,
-                                                         enable_thinking=args.enable_thinking)
+                                                         enable_thinking=args.enable_thinking,
+                                                         quiet=not lead)
         if not requests:
             print(f"error: {args.prompts}: no record could be decoded ({len(errors)} bad)",
                   file=sys.stderr)
@@ -157,16 +176,17 @@ def main(argv=None) -> int:
         mode = "plain target decoding" if dcfg is None else (
             f"speculative, {drafts}, {scheduler.describe(gamma)}"
             + (f", calibrated by {sts_from}" if sts_from else ""))
-        print(f"{len(requests)} requests, {mode}, {args.slots} slots x {max_len} positions; "
-              f"sampling by default: temperature {defaults.temperature:g}, top-p "
-              f"{defaults.top_p:g}, top-k {defaults.top_k}; compiling ...", file=sys.stderr,
-              flush=True)
+        if jax.process_count() > 1:
+            say(f"{jax.process_count()} processes, mesh {dict(mesh.shape)} over "
+                f"{jax.device_count()} {jax.devices()[0].platform} devices")
+        say(f"{len(requests)} requests, {mode}, {args.slots} slots x {max_len} positions; "
+            f"sampling by default: temperature {defaults.temperature:g}, top-p "
+            f"{defaults.top_p:g}, top-k {defaults.top_k}; compiling ...")
         warm = engine.warmup()
-        print(f"compiled {engine.compilations} programs in {warm:.1f} s"
-              + (f"; SPS profile: {engine.profile_source}" if engine.profile else ""),
-              file=sys.stderr, flush=True)
+        say(f"compiled {engine.compilations} programs in {warm:.1f} s"
+            + (f"; SPS profile: {engine.profile_source}" if engine.profile else ""))
         engine.guard = args.recompile_guard
-        metrics = decode(args, engine, tokenizer, requests, prompts)
+        metrics = decode(args, engine, tokenizer, requests, prompts, lead=lead)
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -178,20 +198,23 @@ def main(argv=None) -> int:
                    compilations=engine.compilations, calibration=sts_from or None,
                    sps_profile=engine.profile_source or None,
                    sampling_defaults=defaults.to_json())
+    if not lead:
+        return 1 if errors else 0
     print_summary(metrics)
     if args.metrics:
         _write_atomically(Path(args.metrics), json.dumps(metrics, indent=2) + "\n")
     return 1 if errors else 0
 
 
-def decode(args, engine, tokenizer, requests, prompts) -> dict:
+def decode(args, engine, tokenizer, requests, prompts, *, lead: bool = True) -> dict:
     """Runs the engine, streaming one line per result to OUT.partial, renamed to OUT when every
     request is done (without --out: each completion printed as it finishes); returns the metrics.
-    On an interruption the .partial file stays."""
+    On an interruption the .partial file stays. Not `lead` (a job's other processes): the same
+    run, nothing written or shown."""
     from dspark_jax.decoding.stop_strings import cut_at_stop, find_stop
 
     by_id = {req.id: req for req in requests}
-    partial = Path(f"{args.out}.partial") if args.out else None
+    partial = Path(f"{args.out}.partial") if args.out and lead else None
     written = [0, 0]  # results, tokens
     signal.signal(signal.SIGTERM, _terminate)
 
@@ -201,9 +224,12 @@ def decode(args, engine, tokenizer, requests, prompts) -> dict:
 
     try:
         with (open(partial, "w", encoding="utf-8") if partial else contextlib.nullcontext()) as out, \
-                tqdm(total=len(requests), unit="req", file=sys.stderr, mininterval=0.5) as bar:
+                tqdm(total=len(requests), unit="req", file=sys.stderr, mininterval=0.5,
+                     disable=not lead) as bar:
 
             def write(res):
+                if not lead:
+                    return
                 text, settings = prompts[res.id]
                 ids, completion, stopped = cut_at_stop(res.token_ids, tokenizer.decode,
                                                        settings.stop)

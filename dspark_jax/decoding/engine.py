@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dspark_jax import distributed
 from dspark_jax.config import DrafterConfig, Eagle3Config, TargetConfig
 from dspark_jax.decoding import profile as sps_profile
 from dspark_jax.decoding import rounds
@@ -146,7 +147,6 @@ class Engine:
                               f"{mesh.shape['data'] * mesh.shape['fsdp']}")
         self.seed = seed
         self.state = init_state(self.shape, seed, mesh)
-        self._state_sharding = jax.tree.map(lambda x: x.sharding, self.state)
         self._compiled: dict[tuple, Any] = {}
         self._warm = False
         self.guard = False  # True: any compilation after warm-up is an error
@@ -175,33 +175,9 @@ class Engine:
         if key not in self._compiled:
             if self._warm and self.guard:
                 raise RecompileError(f"no compiled program for {key} (recompile guard on)")
-            kind, static = key[0], key[1:]
-            # The state keeps its shardings round after round (a compiled program accepts only
-            # the shardings it was compiled for); the small outputs come back replicated.
-            replicated = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
-            out = None if self.mesh is None else (self._state_sharding, replicated)
-            args = (self.state, self.tparams, self.dparams)
-            donate = (0,)
-            if kind == "prefill":
-                fn = functools.partial(rounds.prefill, self.shape)
-                args += prefill_arrays(self.R, self.NS, *static)
-            elif kind == "greedy_plan":
-                fn = functools.partial(rounds.greedy_plan, self.shape)
-                args += (self._sps_placeholder(),)
-                out, donate = replicated, ()
-            elif kind in ("flush", "end"):
-                fn = functools.partial({"flush": rounds.flush_round,
-                                        "end": rounds.end_requests}[kind], self.shape)
-                args += (jax.ShapeDtypeStruct((self.R,), jnp.bool_),) if kind == "end" else ()
-                out = None if self.mesh is None else self._state_sharding
-            elif kind == "greedy_verify":
-                fn = functools.partial(rounds.greedy_verify, self.shape, *static)
-                args += (jax.eval_shape(functools.partial(rounds.greedy_plan, self.shape),
-                                        *args, self._sps_placeholder()),)
-            else:
-                program = {"plain": rounds.plain_round, "scheduled": rounds.scheduled_round,
-                           "topk": rounds.topk_round}[kind]
-                fn = functools.partial(program, self.shape, *static)
+            kind = key[0]
+            fn, args, donate, out = program(self.shape, key, self.state, self.tparams,
+                                            self.dparams, self.mesh)
             shared = None
             if kind in SHARED_KINDS:
                 shared = (key, dataclasses.replace(self.shape, scheduler=SchedulerConfig()),
@@ -226,9 +202,6 @@ class Engine:
     def run_program(self, key: tuple, *extra):
         """Dispatches a program that reads the state without changing it."""
         return self._program(key)(self.state, self.tparams, self.dparams, *extra)
-
-    def _sps_placeholder(self):
-        return jax.ShapeDtypeStruct((self.R * self.W + 1,), jnp.float32)
 
     def prefill_chunks(self, joiners: list[tuple[int, Request]]) -> list[list]:
         """(slot, request) pairs grouped by prompt bucket, in chunks of the largest batch bucket."""
@@ -257,6 +230,8 @@ class Engine:
                 self._program(("prefill", J, P))
         for key in self.policy.programs() + [("end",)]:
             self._program(key)
+        distributed.wait_for_all("engine warm-up")  # before the first collective
+        self.policy.warm()
         self._warm = True
         if self.scheduler.load_aware and self.dcfg is not None and self.profile is None:
             self._load_profile()  # may measure: through `generate` too, so after warm-up
@@ -271,7 +246,8 @@ class Engine:
     def use_profile(self, prof: sps_profile.SpsProfile, source: str) -> None:
         """Schedules by `prof` (as whole round costs: `SpsProfile.round_seconds`)."""
         self.profile, self.profile_source = prof.round_seconds(), source
-        self.sps_array = jnp.asarray(self.profile.sps_table(self.R * self.W), jnp.float32)
+        # A host array: on a mesh over several processes each passes its own (equal) copy.
+        self.sps_array = np.asarray(self.profile.sps_table(self.R * self.W), np.float32)
 
     # ------------------------------------------------------------------ host loop
 
@@ -443,6 +419,47 @@ class Engine:
 
 
 _END = object()  # the end of a request iterator
+
+PROGRAM_KINDS = ("prefill", "plain", "scheduled", "topk", "greedy_plan", "greedy_verify", "flush",
+                 "end")
+
+
+def program(shape: EngineShape, key: tuple, state, tparams, dparams, mesh: Mesh | None = None
+            ) -> tuple[Callable, tuple, tuple, Any]:
+    """The device program `key` (see `Engine._program`) as (function, example arguments, donated
+    argument numbers, output shardings): what `jax.jit(fn, donate_argnums=..., out_shardings=...)
+    .lower(*args)` compiles. `state`, `tparams` and `dparams` may be arrays or, for a memory plan
+    that allocates nothing, jax.ShapeDtypeStruct trees with shardings (`state.abstract_state`,
+    `params.abstract`); on `mesh` the state keeps its shardings (a compiled program accepts only
+    the shardings it was compiled for) and the small outputs come back replicated."""
+    kind, static = key[0], key[1:]
+    if kind not in PROGRAM_KINDS:
+        raise ValueError(f"unknown program {key}; kinds: {PROGRAM_KINDS}")
+    R = shape.slots
+    replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+    state_sharding = None if mesh is None else jax.tree.map(lambda x: x.sharding, state)
+    out = None if mesh is None else (state_sharding, replicated)
+    args = (state, tparams, dparams)
+    donate = (0,)
+    sps = jax.ShapeDtypeStruct((R * shape.width + 1,), jnp.float32)
+    if kind == "prefill":
+        fn = functools.partial(rounds.prefill, shape)
+        args += prefill_arrays(R, shape.max_stop_ids, *static)
+    elif kind == "greedy_plan":
+        fn = functools.partial(rounds.greedy_plan, shape)
+        args += (sps,)
+        out, donate = replicated, ()
+    elif kind in ("flush", "end"):
+        fn = functools.partial({"flush": rounds.flush_round, "end": rounds.end_requests}[kind], shape)
+        args += (jax.ShapeDtypeStruct((R,), jnp.bool_),) if kind == "end" else ()
+        out = state_sharding
+    elif kind == "greedy_verify":
+        fn = functools.partial(rounds.greedy_verify, shape, *static)
+        args += (jax.eval_shape(functools.partial(rounds.greedy_plan, shape), *args, sps),)
+    else:
+        fn = functools.partial({"plain": rounds.plain_round, "scheduled": rounds.scheduled_round,
+                                "topk": rounds.topk_round}[kind], shape, *static)
+    return fn, args, donate, out
 
 
 def _powers_of_two(lo: int, hi: int) -> list[int]:

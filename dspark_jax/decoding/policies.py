@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import time
 
+import jax
 import numpy as np
 
+from dspark_jax import distributed
 from dspark_jax.decoding.schedulers import BucketTable
 
 # async: while plain rounds win, one round with a proposal (a probe) after PROBE_EVERY plain ones,
@@ -25,6 +27,7 @@ PROBE_MAX = 1024
 # small rounds); each search that repeats the decision doubles that, up to REDECIDE_MAX.
 REDECIDE_EVERY = 4
 REDECIDE_MAX = 32
+KINDS = ("plain", "spec")  # round kinds as the decision broadcast encodes them
 
 
 def bucket_for(n: int, buckets: list[int]) -> int:
@@ -49,6 +52,9 @@ class Policy:
         verify, as far as the host knows. Returns (output, kind, bucket)."""
         F = bucket_for(len(live), self.engine.plain_buckets)
         return self.engine.run_round(("plain", F)), "plain", F
+
+    def warm(self) -> None:
+        """Compiles what the policy itself runs besides the engine's programs (at warm-up)."""
 
     def starting(self) -> None:
         """A `generate` call begins (the time since the last one was idle)."""
@@ -106,6 +112,10 @@ class AsyncPolicy(Policy):
     [0, OVERHEAD_CAP x that time] (an idle gap is not a cost of the round) and averaged with weight
     OVERHEAD_DECAY per round of the kind; the search adds it to that kind's buckets. A kind not yet
     run keeps the profile's word.
+
+    In a job of several processes each measures its own clock, so every decision is process 0's,
+    broadcast to the others (one small collective per decision, not per round); everything else
+    the policy reads (the rounds' outputs, the live slots) is the same in every process.
     """
 
     DECAY = 0.98
@@ -161,6 +171,10 @@ class AsyncPolicy(Policy):
         self.since_spec = self.plain_run = 0
         return e.run_round(("topk", F)), "spec", F
 
+    def warm(self):
+        if jax.process_count() > 1:
+            distributed.from_lead([0, 0])  # compiles the broadcast `_decide` uses
+
     def starting(self):
         self.dispatched = None
 
@@ -177,6 +191,9 @@ class AsyncPolicy(Policy):
     def _decide(self, live, rooms) -> None:
         probe = self.since_spec >= self.probe_every
         kind, F = self.choose(live, rooms())
+        if jax.process_count() > 1:  # the clock-based overhead differs between processes
+            code, F = (int(v) for v in distributed.from_lead([KINDS.index(kind), F]))
+            kind = KINDS[code]
         decision = (kind, F, len(live))
         if self.probing:  # the round after a probe: did it change the decision?
             self.probe_every = min(2 * self.probe_every, PROBE_MAX) if kind == "plain" else PROBE_EVERY

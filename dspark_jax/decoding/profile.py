@@ -21,6 +21,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from dspark_jax import distributed
 from dspark_jax.decoding.requests import Request
 from dspark_jax.errors import DSparkError
 
@@ -112,7 +113,10 @@ def measure(engine, trials: int = 5, min_seconds: float = 0.06, context: int | N
     positions. A trial times every program once, in turn: fill the slots, two untimed rounds,
     then rounds dispatched as the engine's loop does (one in flight, each read back and unpacked
     on the host while the next runs) until `min_seconds` have passed or the context is full; the
-    median over trials of the mean round time. Leaves the engine's slots empty."""
+    median over trials of the mean round time. Leaves the engine's slots empty.
+
+    In a job of several processes every process runs the same rounds: after the first three, how
+    many more is process 0's call, from its clock."""
 
     context = default_context(engine) if context is None else context
     most = (engine.S - 1 - context) // engine.W - 2  # timed rounds that fit after the untimed two
@@ -127,6 +131,7 @@ def measure(engine, trials: int = 5, min_seconds: float = 0.06, context: int | N
         for F in buckets]
     means: dict[tuple, list[float]] = {p: [] for p in programs}
     rounds_timed = []
+    shared = jax.process_count() > 1
     for _ in range(trials):  # every bucket once per trial: the machine's drift hits them alike
         for kind, program, F in programs:
             engine.reset()
@@ -135,12 +140,16 @@ def measure(engine, trials: int = 5, min_seconds: float = 0.06, context: int | N
             for _ in range(2):
                 engine.run_round((program, F))
             jax.block_until_ready(engine.state)
-            t0, n, previous = time.perf_counter(), 0, None
-            while n < most and (n < 3 or time.perf_counter() - t0 < min_seconds):
+            t0, n, previous, limit = time.perf_counter(), 0, None, most
+            while n < limit and (n < 3 or shared or time.perf_counter() - t0 < min_seconds):
                 out = engine.run_round((program, F))
                 if previous is not None:  # the host's part of a round, as the engine's loop
                     _read(previous)
                 previous, n = out, n + 1
+                if shared and n == min(3, most):
+                    rate = n / max(time.perf_counter() - t0, 1e-9)
+                    limit = int(distributed.from_lead([min(most, max(n, math.ceil(
+                        min_seconds * rate)))])[0])
             _read(previous)
             means[kind, program, F].append((time.perf_counter() - t0) / n)
             rounds_timed.append(n)
@@ -208,6 +217,11 @@ def load(path: str | os.PathLike) -> SpsProfile:
         obj = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ProfileError(f"{path}: not valid JSON ({e})") from None
+    return from_json(obj, path)
+
+
+def from_json(obj, path) -> SpsProfile:
+    """`SpsProfile.to_json`'s object back, checked as `load` checks a file (`path` names it)."""
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise ProfileError(f"{path}: not an SPS profile (expected \"format\": \"{FORMAT}\"; "
                            "write one with python -m serve.profile)")
@@ -265,7 +279,43 @@ def cache_path(expected: dict) -> Path:
 def resolve(engine, given: "SpsProfile | str | os.PathLike | None", use_cache: bool
             ) -> tuple[SpsProfile, str]:
     """The engine's profile and where it came from: `given` (a profile or a path; checked), else a
-    valid cached one, else one measured now (and cached when `use_cache`)."""
+    valid cached one, else one measured now (and cached when `use_cache`).
+
+    In a job of several processes the profile is process 0's, in every process: process 0 alone
+    reads `given` or its cache; when it has none, all measure together (`measure`) and schedule by
+    what process 0 measured, which process 0 caches."""
+    shared = jax.process_count() > 1
+    found = _lookup_shared(engine, given, use_cache) if shared else _lookup(engine, given, use_cache)
+    if found is not None:
+        return found
+    prof = measure(engine)
+    if shared:
+        prof = from_json(distributed.share_json(prof.to_json()), "process 0's SPS profile")
+    cached = cache_path(engine_key(engine))
+    if use_cache and distributed.is_lead():
+        save(prof, cached)
+    return prof, "measured at start-up" + (f", cached in {cached}" if use_cache else "")
+
+
+def _lookup_shared(engine, given, use_cache) -> tuple[SpsProfile, str] | None:
+    """`_lookup` in process 0, its answer (or its error) in every process."""
+    answer = None
+    if distributed.is_lead():
+        try:
+            found = _lookup(engine, given, use_cache)
+            answer = {} if found is None else {"profile": found[0].to_json(), "source": found[1]}
+        except (DSparkError, OSError) as e:
+            answer = {"error": str(e)}
+    answer = distributed.share_json(answer)
+    if "error" in answer:
+        raise ProfileError(answer["error"])
+    if "profile" in answer:
+        return from_json(answer["profile"], answer["source"]), answer["source"]
+    return None
+
+
+def _lookup(engine, given, use_cache) -> tuple[SpsProfile, str] | None:
+    """`given` (checked), else a valid cached profile, else None (to be measured)."""
     key = engine_key(engine)
     buckets = (engine.spec_buckets, engine.plain_buckets)
     if given is not None:
@@ -280,11 +330,8 @@ def resolve(engine, given: "SpsProfile | str | os.PathLike | None", use_cache: b
             check(prof, key, *buckets, str(cached))
             return prof, f"cache {cached}"
         except ProfileError:
-            pass  # stale or damaged: measure again below
-    prof = measure(engine)
-    if use_cache:
-        save(prof, cached)
-    return prof, "measured at start-up" + (f", cached in {cached}" if use_cache else "")
+            pass  # stale or damaged: to be measured again
+    return None
 
 
 def _normal(value):

@@ -9,6 +9,7 @@ or an `Eagle3Context` for an Eagle3 drafter) and the base key.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -194,13 +195,32 @@ class RoundOutput:
 def init_state(shape: EngineShape, seed: int, mesh: Mesh | None = None) -> EngineState:
     """Empty slots and zeroed caches; on `mesh`, requests over (data, fsdp), KV heads over tensor
     (a single KV head is held whole: the caches' `logical_axes`) and the small per-slot arrays
-    replicated."""
+    replicated (`state_shardings`). On a mesh the state is made by
+    one program with those output shardings: each device allocates only its own shard, and no
+    process ships host values to another."""
+    if mesh is None:
+        return empty_state(shape, seed)
+    return _state_builder(shape, seed, mesh)()
+
+
+def abstract_state(shape: EngineShape, mesh: Mesh | None = None) -> EngineState:
+    """The state `init_state` makes, as jax.ShapeDtypeStruct leaves (with their shardings on
+    `mesh`): for compiling the device programs without allocating it."""
+    state = jax.eval_shape(functools.partial(empty_state, shape, 0))
+    if mesh is None:
+        return state
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
+                        state_shardings(shape, mesh))
+
+
+def empty_state(shape: EngineShape, seed: int) -> EngineState:
+    """The state of empty slots, unplaced (a pure function: `init_state` jits it on a mesh)."""
     R, NS = shape.slots, shape.max_stop_ids
-    slots = Slots(active=np.zeros(R, bool), length=np.zeros(R, np.int32),
-                  anchor=np.zeros(R, np.int32), generated=np.zeros(R, np.int32),
-                  max_new=np.zeros(R, np.int32), temperature=np.zeros(R, np.float32),
-                  top_p=np.ones(R, np.float32), top_k=np.zeros(R, np.int32),
-                  seed=np.zeros(R, np.uint32), stop_ids=np.full((R, NS), NO_STOP, np.int32))
+    slots = Slots(active=jnp.zeros(R, bool), length=jnp.zeros(R, jnp.int32),
+                  anchor=jnp.zeros(R, jnp.int32), generated=jnp.zeros(R, jnp.int32),
+                  max_new=jnp.zeros(R, jnp.int32), temperature=jnp.zeros(R, jnp.float32),
+                  top_p=jnp.ones(R, jnp.float32), top_k=jnp.zeros(R, jnp.int32),
+                  seed=jnp.zeros(R, jnp.uint32), stop_ids=jnp.full((R, NS), NO_STOP, jnp.int32))
     draft = pending = None
     if isinstance(shape.dcfg, Eagle3Config):  # its context is extended every round: nothing held back
         draft = Eagle3Context.create(shape.tcfg, shape.dcfg, R, shape.max_len)
@@ -208,26 +228,36 @@ def init_state(shape: EngineShape, seed: int, mesh: Mesh | None = None) -> Engin
         tcfg = shape.tcfg
         draft = DraftCache.create(tcfg, shape.dcfg, R, shape.max_len)
         pending = PendingContext(
-            taps=np.zeros((R, shape.pending, tcfg.num_taps * tcfg.hidden_size), param_dtype(tcfg)),
-            count=np.zeros(R, np.int32))
+            taps=jnp.zeros((R, shape.pending, tcfg.num_taps * tcfg.hidden_size), param_dtype(tcfg)),
+            count=jnp.zeros(R, jnp.int32))
     target_cache = new_cache(shape.tcfg, R, shape.max_len, max_step=1 + shape.max_verify)
-    state = EngineState(slots=slots, target_cache=target_cache,
-                        draft_cache=draft, pending=pending, key=jax.random.key(seed))
-    if mesh is None:
-        return jax.tree.map(jnp.asarray, state)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    shard = jax.tree.map(lambda _: replicated, state)
+    return EngineState(slots=slots, target_cache=target_cache,
+                       draft_cache=draft, pending=pending, key=jax.random.key(seed))
+
+
+def state_shardings(shape: EngineShape, mesh: Mesh) -> EngineState:
+    """NamedSharding of every state leaf: caches by their logical axes, the rest replicated."""
+    state = jax.eval_shape(functools.partial(empty_state, shape, 0))
     by_axes = lambda axes_tree: jax.tree.map(  # noqa: E731
         lambda axes: NamedSharding(mesh, logical_to_spec(axes)), axes_tree,
         is_leaf=lambda x: isinstance(x, tuple))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    shard = jax.tree.map(lambda _: replicated, state)
+    draft = state.draft_cache
     if isinstance(draft, Eagle3Context):  # one layer: no layers axis
         one = NamedSharding(mesh, logical_to_spec(("batch", "cache_seq", "kv_heads", "head_dim")))
         draft_shard = Eagle3Context(cache=Eagle3Cache(k=one, v=one), hidden=replicated)
     else:
         draft_shard = None if draft is None else by_axes(draft.logical_axes())
-    target_shard = by_axes(target_cache.logical_axes())
-    shard = shard.replace(target_cache=target_shard, draft_cache=draft_shard)
-    return jax.device_put(state, shard)
+    target_shard = by_axes(state.target_cache.logical_axes())
+    return shard.replace(target_cache=target_shard, draft_cache=draft_shard)
+
+
+@functools.lru_cache(maxsize=16)
+def _state_builder(shape: EngineShape, seed: int, mesh: Mesh):
+    """The program that makes the empty state on `mesh` (cached: `Engine.reset` calls it often)."""
+    return jax.jit(functools.partial(empty_state, shape, seed),
+                   out_shardings=state_shardings(shape, mesh))
 
 
 def prefill_arrays(R: int, NS: int, J: int, P: int, batch=None) -> tuple:

@@ -18,7 +18,6 @@ import json
 import warnings
 from pathlib import Path
 
-import jax
 import numpy as np
 from jax.sharding import Mesh
 
@@ -26,6 +25,7 @@ from dspark_jax.config import DrafterConfig, TargetConfig, from_dict
 from dspark_jax.errors import CheckpointError, ConfigError, DSparkError
 from dspark_jax.formats.hf_checkpoint import (
     TensorMap,
+    _host_array,
     _identity,
     _transpose,
     check_tensors,
@@ -220,8 +220,10 @@ def drafter_config_to_hf(tcfg: TargetConfig, dcfg: DrafterConfig) -> dict:
 
 
 def _target_copies(target_params, tcfg: TargetConfig) -> dict[str, np.ndarray]:
-    embed = np.asarray(jax.device_get(target_params["embed"]))
-    head = embed if tcfg.tie_word_embeddings else np.asarray(jax.device_get(target_params["lm_head"])).T
+    """The target's embedding and lm_head as host arrays (gathered from every process's shards on
+    a mesh that spans processes: all must call it)."""
+    embed = _host_array(target_params["embed"])
+    head = embed if tcfg.tie_word_embeddings else _host_array(target_params["lm_head"]).T
     return {"embed_tokens.weight": embed, "lm_head.weight": head}
 
 
@@ -256,6 +258,8 @@ def check_target_copies(files: CheckpointFiles, target_params, tcfg: TargetConfi
                         on_mismatch: str) -> None:
     """Compares a drafter checkpoint's embedding/lm_head copies (when present) with the target's;
     a difference raises (`on_mismatch="error"`) or warns (`"warn"`)."""
+    if not any(key in files for key in ("embed_tokens.weight", "lm_head.weight")):
+        return  # nothing to compare: the target's copies are not gathered to the host
     for key, ref in _target_copies(target_params, tcfg).items():
         if key not in files:
             continue

@@ -26,7 +26,7 @@ from dspark_jax.config import Config, TargetConfig
 from dspark_jax.models import eagle3
 from dspark_jax.models.drafter import cast_compute, drafter_spec, train_forward
 from dspark_jax.models.target import TargetOutput, forward, lm_head, param_dtype
-from dspark_jax.params import init_params, map_infos, shardings
+from dspark_jax.params import abstract, init_params, map_infos, shardings
 from dspark_jax.training.eagle3_loss import eagle3_train_loss, ttt_position_mask
 from dspark_jax.training.losses import drafter_loss
 
@@ -64,6 +64,23 @@ def init_state(cfg: Config, optimizer, key: jax.Array, mesh: Mesh | None = None)
     replicated = NamedSharding(mesh, PartitionSpec())
     return jax.device_put(state, jax.tree.map(
         lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated, state))
+
+
+def abstract_state(cfg: Config, optimizer, mesh: Mesh | None = None) -> TrainState:
+    """The TrainState `init_state` makes, as jax.ShapeDtypeStruct leaves with the same shardings:
+    for compiling the step (a memory plan) without allocating anything."""
+    params = abstract(drafter_params_spec(cfg), mesh)
+    opt_state = jax.eval_shape(optimizer.init, params)
+    state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, opt_state=opt_state)
+    if mesh is None:
+        return state
+    replicated = NamedSharding(mesh, PartitionSpec())
+    # The shardings `jit(optimizer.init)` gives the optimizer state, as in `init_state`.
+    opt_shardings = jax.jit(optimizer.init).lower(params).compile().output_shardings
+    shard = TrainState(step=replicated, params=jax.tree.map(lambda x: x.sharding, params),
+                       opt_state=opt_shardings)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=s if isinstance(s, NamedSharding) else replicated), state, shard)
 
 
 def state_shardings(state: TrainState):
