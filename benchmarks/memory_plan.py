@@ -143,15 +143,15 @@ def advice(row: dict, hbm_bytes: float) -> str:
     resident = row["arguments"] + row["outputs"] - row["aliased"]
     if row["kind"] == "train":
         if resident > row["temporaries"]:
-            return ("mesh.fsdp (shards drafter weights, Adam state and the target's embed dim); "
-                    "mesh.tensor (heads, MLP, vocabulary)")
+            return "mesh.fsdp, mesh.tensor (weights, Adam state)"
+        if row["mesh"]["fsdp"] > 1:  # the activations follow the embedding's fsdp axis
+            return "mesh.fsdp=1 with mesh.data (on fsdp the activations are not split by batch)"
         n = row.get("sequences_per_device", 0)
-        return (f"train.global_batch_size ({n} sequences per device = global / (mesh.data x "
-                "mesh.fsdp); no gradient accumulation, so more devices keep the recipe's batch), "
-                "then drafter.num_anchors / train.max_length; mesh.tensor splits heads and vocab")
+        return (f"train.global_batch_size ({n} seq/device; no gradient accumulation), "
+                "drafter.num_anchors, train.max_length")
     if row["program"].startswith("prefill"):
-        return "--prefill-buckets (shorter prompt buckets), --max-len; --tensor-parallel"
-    return "--tensor-parallel (weights and KV heads), --data-parallel / --slots / --max-len (cache)"
+        return "--prefill-buckets, --max-len (prompt bucket); --tensor-parallel"
+    return "--tensor-parallel (weights, KV heads); --data-parallel, --slots, --max-len (cache)"
 
 
 # ----------------------------------------------------------------------------- worker and table
@@ -235,7 +235,7 @@ def table(rows: list[dict], hbm: list[tuple[str, float]]) -> str:
         where = "-" if not mesh else f"{mesh['data']}, {mesh['fsdp']}, {mesh['tensor']}"
         what = r.get("program", r["kind"])
         if r["kind"] == "train":
-            layout = r["layout"] or "preset mesh"
+            layout = r["layout"].replace("{n}", str(r["devices"])) or "preset mesh"
             what = f"train step ({layout}; {r.get('sequences_per_device', '?')} seq/device)"
         if "error" in r:
             lines.append(f"| {what} | {r['devices']} | {where} | " + " | ".join(["-"] * 6)
@@ -267,6 +267,8 @@ def main(argv=None) -> int:
                     help="per-device memory to compare against, NAME=GiB,...; the first decides "
                          f"the advice (default {DEFAULT_HBM})")
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--table-from", metavar="FILE", help="print the table of rows saved by --json "
+                                                          "(nothing is compiled)")
     ap.add_argument("--worker", choices=("train", "decode"), help=argparse.SUPPRESS)
     ap.add_argument("--layouts", nargs="*", default=(), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -274,6 +276,9 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     hbm = parse_hbm(args.hbm)
+    if args.table_from:
+        print(table(json.loads(Path(args.table_from).read_text()), hbm))
+        return 0
     train_layouts = args.train_layout if args.train_layout is not None else DEFAULT_TRAIN_LAYOUTS
     decode_layouts = args.decode_layout or DEFAULT_DECODE_LAYOUTS
     rows = []

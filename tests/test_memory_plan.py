@@ -107,7 +107,7 @@ def test_table_says_what_does_not_fit_and_what_fixes_it(memory_plan):
     text = memory_plan.table(rows, memory_plan.parse_hbm("H100=80,H200=141"))
     lines = text.splitlines()
     assert lines[0].startswith("| what | devices |") and "fits H100 80 GiB" in lines[0]
-    assert "train.global_batch_size (64 sequences per device" in lines[2]
+    assert "train.global_batch_size (64 seq/device" in lines[2]
     assert "| no | no |" in lines[2]
     assert "--tensor-parallel" in lines[3] and "| no | yes |" in lines[3]
     assert lines[4].endswith("| yes | yes | - | 0 |")
