@@ -1,7 +1,9 @@
 """Multi-host decoding (DESIGN §8): `python -m serve.decode` as one job of 2 processes x 2 fake CPU
 devices joined by `jax.distributed` (gloo collectives), on one (data=2, tensor=2) mesh over the 4
-global devices, gives the same greedy tokens, request for request, as 1 process x 1 device, for
-plain decoding and for the speculative engine with its default scheduler (async). Devices are laid
+global devices, gives the same greedy tokens, request for request, as 1 process x 1 device, with
+the speculative engine and its default scheduler (async); plain decoding runs on 2 processes x 1
+device (the 2 x 2 plain job is left out for the suite's time: the 2 x 1 job is its program on a
+smaller mesh, with every all-reduce crossing processes). Devices are laid
 out process-major, so there the slots are split across the processes and the heads within each;
 with 2 processes x 1 device and tensor=2 (`plain-2x1`) every tensor-parallel all-reduce of the
 target crosses processes.
@@ -150,7 +152,6 @@ def jobs(tmp_path_factory):
     # One job at a time: on 2 cores overlapping jobs only slow each other down.
     plain = ["--drafter", "none"]
     runs = {"plain-1": run_job("plain-1", root, 1, 1, base + plain),
-            "plain-2x2": run_job("plain-2x2", root, 2, 2, base + mesh + plain),
             "spec-2x2": run_job("spec-2x2", root, 2, 2, base + mesh + spec + ["--sps", str(four)]),
             "plain-2x1": run_job("plain-2x1", root, 2, 1, base + plain + [
                 "--data-parallel", "1", "--tensor-parallel", "2"])}
@@ -162,7 +163,9 @@ def _tokens(run: dict) -> dict[str, list[int]]:
     return {rid: r["token_ids"] for rid, r in run["results"].items()}
 
 
-@pytest.mark.parametrize("job", ["plain-2x2", "spec-2x2", "plain-2x1"])
+# The 2 x 2 mesh is run speculatively only (plain decoding on it is the 2 x 1 job's program on a
+# bigger mesh): one job fewer to compile in the suite's 20 minutes.
+@pytest.mark.parametrize("job", ["spec-2x2", "plain-2x1"])
 def test_two_processes_match_one_device(jobs, job):
     runs, _ = jobs
     one, multi = runs["plain-1"], runs[job]
@@ -181,8 +184,7 @@ def test_two_processes_match_one_device(jobs, job):
 
 def test_only_process_zero_writes_and_prints(jobs):
     runs, root = jobs
-    for name, mesh in (("plain-2x2", "{'data': 2, 'fsdp': 1, 'tensor': 2} over 4"),
-                       ("spec-2x2", "{'data': 2, 'fsdp': 1, 'tensor': 2} over 4"),
+    for name, mesh in (("spec-2x2", "{'data': 2, 'fsdp': 1, 'tensor': 2} over 4"),
                        ("plain-2x1", "{'data': 1, 'fsdp': 1, 'tensor': 2} over 2")):
         lead, other = runs[name]["logs"]
         assert f"2 processes, mesh {mesh} cpu devices" in lead, lead
