@@ -20,6 +20,15 @@ from pathlib import Path
 import pytest
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
+
+
+def gloo_available() -> bool:
+    """Whether this jaxlib has gloo CPU collectives (what the multi-process CPU tests need)."""
+    try:
+        from jax._src.lib import _jax
+    except ImportError:  # pragma: no cover - other jaxlib layouts
+        return False
+    return hasattr(_jax, "make_gloo_tcp_collectives")
 GOLDEN = SHARED / "reference" / "golden"
 
 

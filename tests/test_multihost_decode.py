@@ -37,6 +37,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import gloo_available
+
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_IDS = ("math:14", "math:315", "function:inspect.isasyncgenfunction", "module:smtpd")
 SLOTS, MAX_LEN = 2, 96
@@ -48,15 +50,7 @@ JOB_TIMEOUT_S = 300
 PORT_TAKEN = re.compile(r"address already in use|failed to add port", re.IGNORECASE)
 
 
-def _gloo_available() -> bool:
-    try:
-        from jax._src.lib import _jax
-    except ImportError:  # pragma: no cover - other jaxlib layouts
-        return False
-    return hasattr(_jax, "make_gloo_tcp_collectives")
-
-
-if not _gloo_available():
+if not gloo_available():
     pytest.skip("jaxlib has no gloo CPU collectives: multi-process CPU decoding cannot run here",
                 allow_module_level=True)
 

@@ -36,6 +36,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.conftest import gloo_available
+
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "multiprocess_worker.py"
 LOSS_ATOL = 2e-5
@@ -44,15 +46,7 @@ JOB_TIMEOUT_S = 240
 PORT_TAKEN = re.compile(r"address already in use|failed to add port", re.IGNORECASE)
 
 
-def _gloo_available() -> bool:
-    try:
-        from jax._src.lib import _jax
-    except ImportError:  # pragma: no cover - other jaxlib layouts
-        return False
-    return hasattr(_jax, "make_gloo_tcp_collectives")
-
-
-if not _gloo_available():
+if not gloo_available():
     pytest.skip("jaxlib has no gloo CPU collectives (make_gloo_tcp_collectives): multi-process "
                 "CPU training cannot run here", allow_module_level=True)
 

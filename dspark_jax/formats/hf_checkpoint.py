@@ -69,30 +69,39 @@ def _heads_out(n: int, h: int):
     return to_ours, to_torch
 
 
+def _layer_rows(d: int, f: int, n: int, k: int, h: int, has_v: bool,
+                norms: list[tuple[str, str]]) -> list[tuple]:
+    """(checkpoint key, our name, torch shape, to_ours, to_torch) of one decoder layer: the
+    attention and MLP both families share, with the family's norms (and scalars) `norms`."""
+    rows = [("input_layernorm.weight", "attn_norm", (d,), _identity, _identity),
+            ("self_attn.q_proj.weight", "wq", (n * h, d), *_heads_in(n, h)),
+            ("self_attn.k_proj.weight", "wk", (k * h, d), *_heads_in(k, h))]
+    if has_v:
+        rows.append(("self_attn.v_proj.weight", "wv", (k * h, d), *_heads_in(k, h)))
+    rows += [("self_attn.o_proj.weight", "wo", (d, n * h), *_heads_out(n, h)),
+             ("self_attn.q_norm.weight", "q_norm", (h,), _identity, _identity),
+             ("self_attn.k_norm.weight", "k_norm", (h,), _identity, _identity)]
+    rows += [(key, name, (1,) if key == "layer_scalar" else (d,), _identity, _identity)
+             for key, name in norms]
+    rows += [("mlp.gate_proj.weight", "w_gate", (f, d), _transpose, _transpose),
+             ("mlp.up_proj.weight", "w_up", (f, d), _transpose, _transpose),
+             ("mlp.down_proj.weight", "w_down", (d, f), _transpose, _transpose)]
+    return rows
+
+
+def _stack_maps(rows: list[tuple], layer_ids, prefix: str, path: str) -> list[TensorMap]:
+    """Checkpoint layer `layer_ids[i]` is entry i of our stack at `path`."""
+    return [TensorMap(f"{prefix}layers.{layer}.{key}", f"{path}/{name}", i, shape, a, b)
+            for i, layer in enumerate(layer_ids) for key, name, shape, a, b in rows]
+
+
 def layer_key_map(cfg: TargetConfig, num_layers: int, prefix: str, path: str = "layers"
                   ) -> list[TensorMap]:
     """Keys of a stack of Qwen3 decoder layers (shared by the target and the drafter)."""
-    d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    n, k = cfg.num_attention_heads, cfg.num_key_value_heads
-    out = []
-    for i in range(num_layers):
-        p = f"{prefix}layers.{i}."
-        rows = [
-            ("input_layernorm.weight", "attn_norm", (d,), _identity, _identity),
-            ("self_attn.q_proj.weight", "wq", (n * h, d), *_heads_in(n, h)),
-            ("self_attn.k_proj.weight", "wk", (k * h, d), *_heads_in(k, h)),
-            ("self_attn.v_proj.weight", "wv", (k * h, d), *_heads_in(k, h)),
-            ("self_attn.o_proj.weight", "wo", (d, n * h), *_heads_out(n, h)),
-            ("self_attn.q_norm.weight", "q_norm", (h,), _identity, _identity),
-            ("self_attn.k_norm.weight", "k_norm", (h,), _identity, _identity),
-            ("post_attention_layernorm.weight", "mlp_norm", (d,), _identity, _identity),
-            ("mlp.gate_proj.weight", "w_gate", (f, d), _transpose, _transpose),
-            ("mlp.up_proj.weight", "w_up", (f, d), _transpose, _transpose),
-            ("mlp.down_proj.weight", "w_down", (d, f), _transpose, _transpose),
-        ]
-        out += [TensorMap(p + key, f"{path}/{name}", i, shape, a, b)
-                for key, name, shape, a, b in rows]
-    return out
+    rows = _layer_rows(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
+                       cfg.num_key_value_heads, cfg.head_dim, True,
+                       [("post_attention_layernorm.weight", "mlp_norm")])
+    return _stack_maps(rows, range(num_layers), prefix, path)
 
 
 def gemma4_layer_key_map(cfg: TargetConfig, layer_ids: list[int], sliding: bool, prefix: str,
@@ -101,31 +110,13 @@ def gemma4_layer_key_map(cfg: TargetConfig, layer_ids: list[int], sliding: bool,
     stack at `path` (names in `models/gemma4_layers.py`). Shared by the target and the drafter."""
     from dspark_jax.models.gemma4_layers import layer_geometry
 
-    d, f, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
     k, h, has_v = layer_geometry(cfg, sliding)
-    out = []
-    for i, layer in enumerate(layer_ids):
-        p = f"{prefix}layers.{layer}."
-        rows = [
-            ("input_layernorm.weight", "attn_norm", (d,), _identity, _identity),
-            ("self_attn.q_proj.weight", "wq", (n * h, d), *_heads_in(n, h)),
-            ("self_attn.k_proj.weight", "wk", (k * h, d), *_heads_in(k, h)),
-            ("self_attn.o_proj.weight", "wo", (d, n * h), *_heads_out(n, h)),
-            ("self_attn.q_norm.weight", "q_norm", (h,), _identity, _identity),
-            ("self_attn.k_norm.weight", "k_norm", (h,), _identity, _identity),
-            ("post_attention_layernorm.weight", "post_attn_norm", (d,), _identity, _identity),
-            ("pre_feedforward_layernorm.weight", "mlp_norm", (d,), _identity, _identity),
-            ("post_feedforward_layernorm.weight", "post_mlp_norm", (d,), _identity, _identity),
-            ("layer_scalar", "layer_scalar", (1,), _identity, _identity),
-            ("mlp.gate_proj.weight", "w_gate", (f, d), _transpose, _transpose),
-            ("mlp.up_proj.weight", "w_up", (f, d), _transpose, _transpose),
-            ("mlp.down_proj.weight", "w_down", (d, f), _transpose, _transpose),
-        ]
-        if has_v:
-            rows.insert(3, ("self_attn.v_proj.weight", "wv", (k * h, d), *_heads_in(k, h)))
-        out += [TensorMap(p + key, f"{path}/{name}", i, shape, a, b)
-                for key, name, shape, a, b in rows]
-    return out
+    rows = _layer_rows(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, k, h, has_v,
+                       [("post_attention_layernorm.weight", "post_attn_norm"),
+                        ("pre_feedforward_layernorm.weight", "mlp_norm"),
+                        ("post_feedforward_layernorm.weight", "post_mlp_norm"),
+                        ("layer_scalar", "layer_scalar")])
+    return _stack_maps(rows, layer_ids, prefix, path)
 
 
 def target_key_map(cfg: TargetConfig, prefix: str = "model.") -> list[TensorMap]:
