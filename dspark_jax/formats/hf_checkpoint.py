@@ -154,6 +154,16 @@ def read_json(path: Path) -> dict:
     return data
 
 
+def _target_config(data: dict, dtype: str | None, overrides: dict, where: str) -> TargetConfig:
+    """TargetConfig from config.json's fields `data` (bfloat16 or else float32), `overrides` on top;
+    a bad value is one CheckpointError naming `where`."""
+    data = {**data, "dtype": "bfloat16" if dtype == "bfloat16" else "float32", **overrides}
+    try:
+        return from_dict(TargetConfig, data)
+    except ConfigError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+
+
 def config_from_hf(hf: dict, where: str, **overrides) -> TargetConfig:
     """TargetConfig from a Qwen3 or Gemma4 config.json dict; `overrides` set the non-HF fields."""
     if hf.get("model_type") in GEMMA4_MODEL_TYPES:
@@ -176,13 +186,7 @@ def config_from_hf(hf: dict, where: str, **overrides) -> TargetConfig:
     if theta is None:
         raise CheckpointError(f"{where}: missing rope_parameters.rope_theta (or rope_theta)")
     data["rope_theta"] = theta
-    dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-    data["dtype"] = "bfloat16" if dtype == "bfloat16" else "float32"
-    data.update(overrides)
-    try:
-        return from_dict(TargetConfig, data)
-    except ConfigError as e:
-        raise CheckpointError(f"{where}: {e}") from None
+    return _target_config(data, hf.get("dtype") or hf.get("torch_dtype"), overrides, where)
 
 
 # ----------------------------------------------------------------------------- Gemma4 config.json
@@ -303,13 +307,8 @@ def _gemma4_config_from_hf(hf: dict, where: str, **overrides) -> TargetConfig:
         num_global_key_value_heads=(text.get("num_global_key_value_heads") or 0) if k_eq_v else 0,
         attention_k_eq_v=k_eq_v, partial_rotary_factor=fraction,
         final_logit_softcapping=text.get("final_logit_softcapping") or 0.0)
-    dtype = text.get("dtype") or hf.get("dtype") or hf.get("torch_dtype") or "float32"
-    data["dtype"] = "bfloat16" if dtype == "bfloat16" else "float32"
-    data.update(overrides)
-    try:
-        return from_dict(TargetConfig, data)
-    except ConfigError as e:
-        raise CheckpointError(f"{where}: {e}") from None
+    return _target_config(data, text.get("dtype") or hf.get("dtype") or hf.get("torch_dtype"),
+                          overrides, where)
 
 
 def _gemma4_config_to_hf(cfg: TargetConfig) -> dict:
