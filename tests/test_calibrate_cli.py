@@ -110,3 +110,4 @@ def test_profile_command_writes_a_table_decode_uses(tiny_pair, prompts, tmp_path
                "--slots", 2, "--max-len", 96, "--prefill-buckets", 96)
     assert proc.returncode == 2
     assert f"error: {table}: measured for slots 4; this engine has 2" in proc.stderr
+    assert "compiled" not in proc.stderr  # refused before the minutes of compiling

@@ -14,7 +14,9 @@ def test_demo_models_builds_and_resumes(tmp_path, capsys):
             "--drafters", "dspark=dspark-tiny,dflash=dflash-tiny", "--drafter-steps", "2",
             "--drafter-set", "train.global_batch_size=2", "--regenerate-limit", "12",
             "--regenerate-max-new-tokens", "12", "--regenerate-slots", "4",
-            "--regenerate-max-len", "256", "--calibrate-max-new-tokens", "8"]
+            "--regenerate-max-len", "256", "--calibrate-max-new-tokens", "8",
+            "--calibrate-slots", "4", "--calibrate-max-len", "256",
+            "--calibrate-prefill-buckets", "256"]
     assert demo_models.main(argv) == 0
     regenerated = [json.loads(x) for x in (out / "data/regenerated.jsonl").read_text().splitlines()]
     assert len(regenerated) == 12 and all(r["conversations"][-1]["role"] == "assistant"

@@ -166,7 +166,7 @@ def test_sharded_engine_matches_single_device(pair, requests, plain_results):
 
 ECFG = Eagle3Config(ttt_length=4)
 DRAFTER_SEED, DRAFTER_SCALE = 3, 4.0
-N_SAMPLES, N_CONTROL = 20_000, 4_000
+N_SAMPLES, N_CONTROL = 12_000, 4_000
 
 
 @pytest.fixture(scope="module")

@@ -49,6 +49,11 @@ def parse_args(argv):
     ap.add_argument("--regenerate-slots", type=int, default=32)
     ap.add_argument("--regenerate-max-len", type=int, default=1024)
     ap.add_argument("--calibrate-max-new-tokens", type=int, default=128)
+    ap.add_argument("--calibrate-slots", type=int, default=16)
+    ap.add_argument("--calibrate-max-len", type=int, default=0,
+                    help="the calibration engine's context (0: the target's, at most 2048)")
+    ap.add_argument("--calibrate-prefill-buckets", default="",
+                    help="its prompt-length buckets (default: powers of two up to the context)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     problems = []
@@ -143,6 +148,8 @@ def main(argv=None) -> int:
                 _stage(log, f"calibrate {name}", _run_cli, calibrate, [
                     "--target", str(target), "--drafter", str(drafter), "--prompts", *prompts,
                     "--temperature", "1", "--max-new-tokens", str(args.calibrate_max_new_tokens),
+                    "--slots", str(args.calibrate_slots), "--max-len", str(args.calibrate_max_len),
+                    "--prefill-buckets", args.calibrate_prefill_buckets,
                     "--seed", str(args.seed)])
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -65,11 +65,12 @@ class _CompileCounter:
 
 jax.monitoring.register_event_duration_secs_listener(_CompileCounter.on_event)
 
-# Programs that compute the same whatever the scheduler (the scheduler is static in the shape, but
-# these never read it: a plain round verifies anchors only), shared by every engine of one shape,
-# mesh and argument layout in the process while one of them holds it. Engines side by side (a
-# benchmark's schedulers at one concurrency) then compile and map them once: at 32 slots five
-# engines' own copies outgrew the kernel's 65530 memory maps per process.
+# Compiled programs are shared by every engine of one shape, mesh and argument layout in the
+# process while one of them holds it; these kinds compute the same whatever the scheduler (static
+# in the shape, but never read: a plain round verifies anchors only), so they are shared across
+# schedulers too. Engines side by side (a benchmark's schedulers at one concurrency) then compile
+# and map them once: at 32 slots five engines' own copies outgrew the kernel's 65530 memory maps
+# per process.
 SHARED_KINDS = ("prefill", "plain", "end", "flush")
 _shared_programs: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
@@ -178,16 +179,17 @@ class Engine:
             kind = key[0]
             fn, args, donate, out = program(self.shape, key, self.state, self.tparams,
                                             self.dparams, self.mesh)
-            shared = None
+            # A program depends on the engine's shape and its arguments' layout only, so engines
+            # alive side by side compile each once; the kinds no scheduler reads ignore it.
+            shape = self.shape
             if kind in SHARED_KINDS:
-                shared = (key, dataclasses.replace(self.shape, scheduler=SchedulerConfig()),
-                          _layout(args), donate, out)
-                self._compiled[key] = _shared_programs.get(shared)
-            if self._compiled.get(key) is None:
+                shape = dataclasses.replace(shape, scheduler=SchedulerConfig())
+            shared = (key, shape, _layout(args), donate, out)
+            self._compiled[key] = _shared_programs.get(shared)
+            if self._compiled[key] is None:
                 self._compiled[key] = jax.jit(fn, donate_argnums=donate, out_shardings=out).lower(
                     *args).compile()
-                if shared is not None:
-                    _shared_programs[shared] = self._compiled[key]
+                _shared_programs[shared] = self._compiled[key]
         return self._compiled[key]
 
     def run_round(self, key: tuple, *extra):
@@ -225,6 +227,9 @@ class Engine:
         loads, or measures, the SPS profile of a load-aware scheduler."""
         t = time.perf_counter()
         before = _CompileCounter.count
+        if self._sps_arg is not None and self.scheduler.load_aware and self.dcfg is not None \
+                and self.profile is None and jax.process_count() == 1:
+            self._load_profile()  # a given profile is checked before minutes of compiling
         for J in self.batch_buckets:
             for P in self.prefill_buckets:
                 self._program(("prefill", J, P))
