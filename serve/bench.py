@@ -116,8 +116,6 @@ def parse_args(argv):
                         f"expected some of {', '.join(SCHEDULERS)}")
     if args.max_new_tokens < 1:
         problems.append(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
-    if args.drafter.lower() == "none" and set(args.schedulers) - {"plain"}:
-        problems.append("--drafter none: without a drafter only --schedulers plain can run")
     if args.repeats < 1:
         problems.append(f"--repeats {args.repeats}: must be >= 1")
     if args.requests_per_slot < 2:
@@ -125,7 +123,9 @@ def parse_args(argv):
     if Path(args.out).exists() and not Path(args.out).is_dir():
         problems.append(f"--out {args.out}: is a file; expected a directory")
     args.slots = max(args.levels)
-    problems += cli.engine_flag_problems(args)
+    problems += cli.engine_flag_problems(args)  # fills in the bundled drafter when none is given
+    if args.drafter.lower() == "none" and set(args.schedulers) - {"plain"}:
+        problems.append("--drafter none: without a drafter only --schedulers plain can run")
     if args.data_parallel >= 1 and any(level % args.data_parallel for level in args.levels):
         problems.append(f"--levels: each must be a multiple of --data-parallel {args.data_parallel}")
     if problems:

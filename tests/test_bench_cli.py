@@ -136,3 +136,12 @@ def test_reproduce_bad_flags_exit_2_before_anything_runs(tmp_path, flags, messag
     assert proc.returncode == 2, proc.stderr
     assert f"error: {message.format(tmp=tmp_path)}" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "work").exists()
+
+
+def test_without_target_and_drafter_the_bundled_pair_is_benchmarked(tmp_path):
+    from dspark_jax import bundled
+    from serve import bench
+
+    args = bench.parse_args(["concurrency", "--out", str(tmp_path / "out"), "--levels", "1"])
+    assert Path(args.target) == Path(bundled.resolve_target("tiny"))
+    assert Path(args.drafter) == Path(bundled.resolve_drafter("tiny-dspark"))
