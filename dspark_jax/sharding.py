@@ -38,6 +38,13 @@ LOGICAL_AXIS_RULES: Mapping[str, str | tuple[str, ...] | None] = {
 }
 
 
+def constrain(x: jax.Array, sharding: NamedSharding | None) -> jax.Array:
+    """`x` laid out by `sharding` inside a jitted function (unchanged when None). For activations
+    whose layout propagation would take from a weight: an embedding lookup leaves its rows sharded
+    like the table's model dimension (over `fsdp`) rather than by batch."""
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A (data, fsdp, tensor) mesh over `devices` (default: all devices of all processes)."""
     devices = list(jax.devices() if devices is None else devices)

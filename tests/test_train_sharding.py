@@ -51,3 +51,23 @@ def test_sharded_step_equals_single_device():
     np.testing.assert_allclose(got["accept_rate"], ref["accept_rate"], atol=2e-5, rtol=0)
     np.testing.assert_allclose(got["grad_norm"], ref["grad_norm"], atol=2e-5, rtol=0)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=5e-5, rtol=0), params, ref_params)
+
+
+def test_activations_on_an_fsdp_mesh_are_split_by_batch():
+    """The embedding table's model dimension is sharded over fsdp; without a constraint its lookup
+    hands that layout to every activation (each device then computes the whole batch). The train
+    step lays the rows out over the batch axes: the target's features come out split by batch."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from dspark_jax.training.train_step import batch_sharding, frozen_target
+
+    cfg = load_config(preset_path("dspark-tiny"))
+    mesh = make_mesh(MeshConfig(data=1, fsdp=8, tensor=1))
+    target = init_params(target_spec(cfg.target), jax.random.key(1), mesh)
+    assert target["embed"].sharding.spec == PartitionSpec("tensor", "fsdp")
+    ids = jax.device_put(np.zeros((8, 16), np.int32), NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
+    rows = batch_sharding(mesh)
+    hidden = jax.jit(lambda t, i, r: frozen_target(t, cfg.target, i, r).hidden, static_argnums=2)
+    split, whole = hidden(target, ids, rows), hidden(target, ids, None)
+    assert split.sharding.shard_shape(split.shape)[0] == 1  # one sequence per device
+    assert whole.sharding.shard_shape(whole.shape)[0] == 8  # without it: the whole batch on each

@@ -25,12 +25,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import NamedSharding
 
 from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.models import gemma4_layers as g4
 from dspark_jax.models.layers import NEG_INF, rms_norm, rope, sample_inverse_cdf, swiglu
 from dspark_jax.models.target import lm_head, target_spec
 from dspark_jax.params import ArrayInfo
+from dspark_jax.sharding import constrain
 
 
 def layer_config(tcfg: TargetConfig, dcfg: DrafterConfig) -> TargetConfig:
@@ -308,17 +310,20 @@ def block_targets(input_ids: jax.Array, loss_mask: jax.Array, anchors: jax.Array
 
 def train_forward(dparams, target_params, tcfg: TargetConfig, dcfg: DrafterConfig,
                   input_ids: jax.Array, loss_mask: jax.Array, taps: jax.Array,
-                  anchors: jax.Array, anchor_keep: jax.Array) -> TrainBlocks:
+                  anchors: jax.Array, anchor_keep: jax.Array,
+                  batch_sharding: NamedSharding | None = None) -> TrainBlocks:
     """All anchored blocks of each sequence in one pass, teacher-forced.
 
     input_ids/loss_mask [B, L]; taps [B, L, m*d] (target features); anchors/anchor_keep [B, N].
+    `batch_sharding`: the blocks' layout on a mesh (rows over the batch axes).
     """
     T = dcfg.block_size
     dp = cast_compute(dparams, dcfg)
     B, L = input_ids.shape
     labels, eval_mask, aligned = block_targets(input_ids, loss_mask, anchors, anchor_keep, T)
     anchor_tokens = jnp.take_along_axis(input_ids, anchors, axis=1)  # [B,N]
-    x = embed_blocks(target_params, tcfg, anchor_tokens, T, jnp.dtype(dcfg.dtype))
+    x = constrain(embed_blocks(target_params, tcfg, anchor_tokens, T, jnp.dtype(dcfg.dtype)),
+                  batch_sharding)
     pos = anchors[..., None] + jnp.arange(T)
     ctx_pos = jnp.broadcast_to(jnp.arange(L), (B, L))
     ctx_mask = ctx_pos[:, None, :] < anchors[..., None]  # block b sees context before its anchor

@@ -25,6 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import NamedSharding
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.models.gemma4_layers import (
@@ -40,6 +41,7 @@ from dspark_jax.models.gemma4_layers import (
 from dspark_jax.models.layers import rms_norm
 from dspark_jax.models.target import Taps, TargetOutput, lm_head, param_dtype
 from dspark_jax.params import ArrayInfo
+from dspark_jax.sharding import constrain
 
 EMPTY = -1  # ring slot position of a slot that holds nothing
 FAR = 2 ** 30  # beyond every position: the start of a row without new tokens
@@ -226,11 +228,12 @@ def _sliding_attention(cfg, q, k, v, kv: Gemma4Cache, index, ring_mask, new_mask
 
 def forward(params, cfg: TargetConfig, tokens: jax.Array, positions: jax.Array, *,
             cache: Gemma4Cache | None = None, valid: jax.Array | None = None,
-            logit_index: jax.Array | None = None, compute_logits: bool = True) -> TargetOutput:
+            logit_index: jax.Array | None = None, compute_logits: bool = True,
+            batch_sharding: NamedSharding | None = None) -> TargetOutput:
     """`target.forward` for Gemma4: tokens [B, T] at positions [B, T]; see there and `Gemma4Cache`."""
     B, T = tokens.shape
     valid = jnp.ones((B, T), bool) if valid is None else valid
-    x = scaled_embedding(params["embed"], tokens, param_dtype(cfg))  # [B,T,d]
+    x = constrain(scaled_embedding(params["embed"], tokens, param_dtype(cfg)), batch_sharding)  # [B,T,d]
     key_pos = jnp.where(valid, positions, EMPTY)  # [B,T]
     masks = {s: _new_key_mask(cfg, key_pos, positions, s) for s in (True, False)}
 

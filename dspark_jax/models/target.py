@@ -10,11 +10,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import NamedSharding
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.models.gemma4_layers import softcap
 from dspark_jax.models.layers import attention, project_qkv, rms_norm, rope, swiglu
 from dspark_jax.params import ArrayInfo
+from dspark_jax.sharding import constrain
 
 
 def param_dtype(cfg: TargetConfig):
@@ -181,21 +183,24 @@ def _run_layers(params, cfg: TargetConfig, x: jax.Array, positions: jax.Array, a
 
 def forward(params, cfg: TargetConfig, tokens: jax.Array, positions: jax.Array, *,
             cache: KVCache | None = None, valid: jax.Array | None = None,
-            logit_index: jax.Array | None = None, compute_logits: bool = True) -> TargetOutput:
+            logit_index: jax.Array | None = None, compute_logits: bool = True,
+            batch_sharding: NamedSharding | None = None) -> TargetOutput:
     """Runs the target over `tokens` [B, T] at absolute `positions` [B, T].
 
     Without a cache, tokens attend causally (by position) to the valid tokens of their own row.
     With a cache, new keys/values of valid tokens are written at their positions and each token
     attends to cache slots <= its position; invalid (padding) tokens are never written.
     `logit_index` [B, K] selects the positions whose logits are computed (all when None).
+    `batch_sharding` (training on a mesh): the activations' layout, rows over the batch axes.
     """
     if cfg.family == "gemma4":
         from dspark_jax.models import gemma4
         return gemma4.forward(params, cfg, tokens, positions, cache=cache, valid=valid,
-                              logit_index=logit_index, compute_logits=compute_logits)
+                              logit_index=logit_index, compute_logits=compute_logits,
+                              batch_sharding=batch_sharding)
     B, T = tokens.shape
     valid = jnp.ones((B, T), bool) if valid is None else valid
-    x = params["embed"][tokens].astype(param_dtype(cfg))  # [B,T,d]
+    x = constrain(params["embed"][tokens].astype(param_dtype(cfg)), batch_sharding)  # [B,T,d]
 
     if cache is None:
         mask = (positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :]

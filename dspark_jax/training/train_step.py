@@ -87,21 +87,23 @@ def state_shardings(state: TrainState):
     return jax.tree.map(lambda x: x.sharding, state)
 
 
-def frozen_target(target_params, tcfg: TargetConfig, ids: jax.Array) -> TargetOutput:
+def frozen_target(target_params, tcfg: TargetConfig, ids: jax.Array,
+                  rows: NamedSharding | None = None) -> TargetOutput:
     """The target over whole sequences [B, L], without gradient and without logits."""
     B, L = ids.shape
     positions = jnp.broadcast_to(jnp.arange(L), (B, L))
-    return forward(jax.lax.stop_gradient(target_params), tcfg, ids, positions, compute_logits=False)
+    return forward(jax.lax.stop_gradient(target_params), tcfg, ids, positions, compute_logits=False,
+                   batch_sharding=rows)
 
 
-def dspark_loss_fn(dparams, target_params, batch, cfg: Config):
+def dspark_loss_fn(dparams, target_params, batch, cfg: Config, rows: NamedSharding | None = None):
     tcfg, dcfg = cfg.target, cfg.drafter
     ids = batch["input_ids"]
     B = ids.shape[0]
     target_params = jax.lax.stop_gradient(target_params)
-    out = frozen_target(target_params, tcfg, ids)
+    out = frozen_target(target_params, tcfg, ids, rows)
     blocks = train_forward(dparams, target_params, tcfg, dcfg, ids, batch["loss_mask"], out.taps,
-                           batch["anchors"], batch["anchor_keep"])
+                           batch["anchors"], batch["anchor_keep"], batch_sharding=rows)
     _, N, T = blocks.labels.shape
     aligned = jnp.take_along_axis(out.hidden, blocks.aligned_index.reshape(B, N * T)[..., None], 1)
     target_logits = lm_head(target_params, tcfg, aligned).reshape(B, N, T, -1)
@@ -109,12 +111,12 @@ def dspark_loss_fn(dparams, target_params, batch, cfg: Config):
                         blocks.eval_mask, cfg.train.loss)
 
 
-def eagle3_loss_fn(dparams, target_params, batch, cfg: Config):
+def eagle3_loss_fn(dparams, target_params, batch, cfg: Config, rows: NamedSharding | None = None):
     """Test-time training over whole sequences against the target's distributions (DESIGN §3b)."""
     tcfg, ecfg = cfg.target, cfg.drafter
     ids, attention_mask = batch["input_ids"], batch["attention_mask"]
     target_params = jax.lax.stop_gradient(target_params)
-    out = frozen_target(target_params, tcfg, ids)
+    out = frozen_target(target_params, tcfg, ids, rows)
     target_logits = lm_head(target_params, tcfg, out.hidden).astype(param_dtype(tcfg))  # [B,L,V]
     hidden = eagle3.ttt_hidden(dparams, target_params, tcfg, ecfg, ids, attention_mask, out.taps)
     dp = cast_compute(dparams, ecfg)
@@ -128,7 +130,7 @@ class DrafterKind:
     """What training needs to know about one kind of drafter."""
 
     spec: Callable[[TargetConfig, Any], dict]  # ArrayInfo tree of the drafter's own weights
-    loss: Callable[..., tuple[jax.Array, dict]]  # (dparams, target_params, batch, cfg)
+    loss: Callable[..., tuple[jax.Array, dict]]  # (dparams, target_params, batch, cfg, rows)
     num_anchors: Callable[[Any], int]  # anchored blocks per sequence in its batches (0: none)
 
 
@@ -147,18 +149,22 @@ def drafter_params_spec(cfg: Config) -> dict:
     return drafter_kind(cfg).spec(cfg.target, cfg.drafter)
 
 
-def loss_fn(dparams, target_params, batch, cfg: Config):
-    """(scalar loss, metrics) of the run's kind of drafter on one batch."""
-    return drafter_kind(cfg).loss(dparams, target_params, batch, cfg)
+def loss_fn(dparams, target_params, batch, cfg: Config, rows: NamedSharding | None = None):
+    """(scalar loss, metrics) of the run's kind of drafter on one batch; `rows`: on a mesh, the
+    activations' layout (the batch axes), which the embedding lookups would otherwise take from
+    the table (model dimension over `fsdp`: every device computing the whole batch)."""
+    return drafter_kind(cfg).loss(dparams, target_params, batch, cfg, rows)
 
 
 def make_train_step(cfg: Config, optimizer, state_sharding=None
                     ) -> Callable[[TrainState, Any, dict], tuple[TrainState, dict]]:
     """jit(step)(state, target_params, batch) -> (state, metrics); the state is donated."""
+    shardings = [s for s in jax.tree.leaves(state_sharding) if isinstance(s, NamedSharding)]
+    rows = batch_sharding(shardings[0].mesh) if shardings else None
 
     def step(state: TrainState, target_params, batch):
         grad_fn = jax.grad(loss_fn, has_aux=True)
-        grads, metrics = grad_fn(state.params, target_params, batch, cfg)
+        grads, metrics = grad_fn(state.params, target_params, batch, cfg, rows)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics["grad_norm"] = optax.tree.norm(grads)
