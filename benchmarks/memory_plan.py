@@ -144,8 +144,6 @@ def advice(row: dict, hbm_bytes: float) -> str:
     if row["kind"] == "train":
         if resident > row["temporaries"]:
             return "mesh.fsdp, mesh.tensor (weights, Adam state)"
-        if row["mesh"]["fsdp"] > 1:  # the activations follow the embedding's fsdp axis
-            return "mesh.fsdp=1 with mesh.data (on fsdp the activations are not split by batch)"
         n = row.get("sequences_per_device", 0)
         return (f"train.global_batch_size ({n} seq/device; no gradient accumulation), "
                 "drafter.num_anchors, train.max_length")
