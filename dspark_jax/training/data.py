@@ -523,7 +523,8 @@ class BatchIterator:
         else:
             if self._loader is None:
                 self._loader = _prefetching(self._batches, self.workers)
-            batch = next(self._loader)
+            # Out of grain's shared memory at once: its blocks are freed when the arrays are.
+            batch = {k: np.array(v) for k, v in next(self._loader).items()}
         self._taken += 1
         self._advance()
         return batch
