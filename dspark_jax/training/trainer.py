@@ -224,8 +224,8 @@ def run(cfg: Config, *, log: Callable[[str], None] = lambda s: None,
     s = setup(cfg)
     cfg = s.cfg
     log(f"{describe_mesh(s.mesh)}; jax {jax.__version__}; {jax.process_count()} processes")
-    log(f"data: {s.data_source}")
-    log(f"data: {s.data_stats}; {s.iterator.steps_per_epoch} steps/epoch; {s.total_steps} steps")
+    log(f"data: {s.data_source}: {s.data_stats}; {s.iterator.steps_per_epoch} steps/epoch; "
+        f"{s.total_steps} steps")
     for error in s.data_errors[:5]:
         log(f"skipped a bad record: {error}")
     if len(s.data_errors) > 5:
