@@ -1,7 +1,7 @@
 """Tokenizing throughput of `python -m train.tokenize` with 1 and 2 workers, and the trainer's input
 wait per step reading JSONL in memory or the tokenized cache with 0 and 2 grain workers.
 
-    python benchmarks/tokenize_throughput.py [--out DIR] [--steps 20] [--shard-lines 1000]
+    python benchmarks/tokenize_throughput.py [--out DIR] [--steps 20 (0: tokenizing only)] [--shard-lines 1000]
 
 Corpus: the built-in three-domain corpus (`dspark_jax.training.corpus`, 3.4k conversations) and
 the bundled demo's regenerated conversations (4k), in one JSONL file; the bundled demo target's
@@ -93,8 +93,11 @@ def main():
                   f"{r['records_per_s_wall']:,.0f} records/s of the whole command ({r['wall_s']:.1f} s "
                   f"for {r['records']} records)")
         print(f"  caches byte-identical: {same}; command: python {rows[-1]['command']}")
-        print(f"\ntrainer input wait (dspark-demo, random target, {args.steps} steps, batch 8 x 512):")
+        if args.steps:
+            print(f"\ntrainer input wait (dspark-demo, random target, {args.steps} steps, batch 8 x 512):")
         for data, workers in ((str(corpus), 0), (str(out / "cache-w1"), 0), (str(out / "cache-w1"), 2)):
+            if not args.steps:
+                break
             r = input_wait(data, workers, args.steps, out / f"run-{Path(data).name}-{workers}")
             print(f"  {r['data']:5s} data_workers={workers}: {r['wait_ms_per_step']:.2f} ms/step waiting "
                   f"for input (steps 1-2: {r['first_two_steps_ms']:.0f} ms/step; step {r['step_ms']:.0f} ms; "
