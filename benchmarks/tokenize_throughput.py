@@ -11,7 +11,9 @@ and per second of the whole command (interpreter and worker start-up included).
 
 Input wait: the dspark-demo drafter on a random target (`train.target_dir=`), `--steps` steps of
 global batch 8; the time per step blocked in `next()` on the batch iterator (the trainer's own
-figure), the first two steps (worker start-up) apart, next to the step time.
+figure), the first two steps (worker start-up) apart, next to the step time. Then the batch
+iterator alone, with a sleep for the step: what workers buy when the step leaves the host's CPUs
+idle (an accelerator), which a CPU-only trainer does not.
 """
 
 import argparse
@@ -73,6 +75,29 @@ def input_wait(data: str, workers: int, steps: int, workdir: Path) -> dict:
             "mean_all_steps_ms": summary["input_wait_s_per_step"] * 1e3}
 
 
+def iterator_wait(data: str, workers: int, batch: int, steps: int, step_s: float) -> float:
+    """Mean ms blocked in next() when each step takes `step_s` of sleep (an accelerator step, which
+    leaves the host's CPUs to the workers), after the first two batches."""
+    from dspark_jax.formats.tokenizer import load_tokenizer
+    from dspark_jax.training.data import BatchIterator
+    from dspark_jax.training.token_cache import open_training_data
+
+    records = open_training_data(data, load_tokenizer(BUNDLED / "target"), max_length=512, min_length=8,
+                                 system_prompt="")
+    it = BatchIterator(records, global_batch_size=batch, num_anchors=16, block_size=7, seed=0,
+                       workers=workers)
+    waits = []
+    try:
+        for _ in range(steps):
+            t = time.perf_counter()
+            next(it)
+            waits.append(time.perf_counter() - t)
+            time.sleep(step_s)
+    finally:
+        it.close()
+    return 1e3 * sum(waits[2:]) / len(waits[2:])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="working directory (default: a temporary one)")
@@ -102,6 +127,12 @@ def main():
             print(f"  {r['data']:5s} data_workers={workers}: {r['wait_ms_per_step']:.2f} ms/step waiting "
                   f"for input (steps 1-2: {r['first_two_steps_ms']:.0f} ms/step; step {r['step_ms']:.0f} ms; "
                   f"run {r['run_s']:.0f} s incl. setup)", flush=True)
+        print("\nthe batch iterator alone, the step a 100 ms sleep (host CPUs left to the workers), "
+              "batch 64 x 512, 30 steps:")
+        for data, workers in ((str(corpus), 0), (str(out / "cache-w1"), 0), (str(out / "cache-w1"), 2)):
+            wait = iterator_wait(data, workers, 64, 30, 0.1)
+            kind = "cache" if Path(data).is_dir() else "JSONL"
+            print(f"  {kind:5s} workers={workers}: {wait:.2f} ms/step waiting for input", flush=True)
         print(f"\nmade by: python benchmarks/tokenize_throughput.py --steps {args.steps} "
               f"--shard-lines {args.shard_lines}")
 
