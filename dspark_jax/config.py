@@ -258,7 +258,13 @@ class TrainConfig:
     """Drafter training (defaults: the released DeepSpec runs, DESIGN §10)."""
 
     target_dir: str = ""  # Hugging Face Qwen3/Gemma4 directory; "" = random target (smoke runs, benchmarks)
-    data_file: str = ""  # JSONL conversations
+    # JSONL conversations, or a tokenized cache directory of them (`python -m train.tokenize`).
+    data_file: str = ""
+    # Worker processes building batches ahead of the step (grain); 0: built in the loop.
+    data_workers: int = 0
+    # Check every shard of a tokenized cache against its sha256 at start (reads the whole cache);
+    # false: sizes and record counts only (a damaged record is still refused when read).
+    verify_data_cache: bool = True
     tokenizer_dir: str = ""  # "" = target_dir
     workdir: str = "runs/drafter"
     max_length: int = 4096
@@ -293,6 +299,7 @@ class TrainConfig:
             _require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         _require(self.max_steps >= 0, "max_steps", f"must be >= 0, got {self.max_steps}")
         _require(self.pad_to_multiple >= 0, "pad_to_multiple", f"must be >= 0, got {self.pad_to_multiple}")
+        _require(self.data_workers >= 0, "data_workers", f"must be >= 0, got {self.data_workers}")
         _require(self.epochs > 0 or self.max_steps > 0, "epochs", "set epochs > 0 or max_steps > 0")
         _require(self.learning_rate > 0, "learning_rate", f"must be positive, got {self.learning_rate}")
         _require(0 <= self.warmup_ratio < 1, "warmup_ratio", f"must be in [0, 1), got {self.warmup_ratio}")

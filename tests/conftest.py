@@ -103,6 +103,22 @@ def tiny_target(tmp_path_factory):
     return fit_on_data(target, data, t, steps=300), data
 
 
+@pytest.fixture(scope="session")
+def tiny_cache(tiny_target, tmp_path_factory):
+    """A tokenized cache (3 shards) of `tiny_target`'s data, made with the dspark-tiny preset's
+    settings: a run may read it in place of the JSONL file."""
+    from dspark_jax.config import load_config, preset_path
+    from dspark_jax.training.token_cache import tokenize_corpus
+
+    target, data = tiny_target
+    cfg = load_config(preset_path("dspark-tiny"))
+    out = tmp_path_factory.mktemp("tiny_cache") / "cache"
+    tokenize_corpus(target, [data], out, max_length=cfg.train.max_length,
+                    min_length=cfg.drafter.proposal_length + 1, system_prompt=cfg.train.system_prompt,
+                    enable_thinking=cfg.train.enable_thinking, shard_lines=32)
+    return out
+
+
 def fit_on_data(target: Path, data: Path, t, steps: int) -> Path:
     """Trains the random target on the data (next-token CE) and saves it back in place."""
     from dspark_jax.formats import hf_checkpoint

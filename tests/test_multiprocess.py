@@ -1,14 +1,19 @@
-"""Real multi-process training (DESIGN.md §8): 2 processes x 4 fake CPU devices joined by
-`jax.distributed` (gloo collectives), one (data=4, fsdp=2) mesh over the 8 global devices, per-process
+"""Real multi-process training (DESIGN.md §8): 2 processes x 2 fake CPU devices joined by
+`jax.distributed` (gloo collectives), one (data=2, fsdp=2) mesh over the 4 global devices, per-process
 batches assembled with `make_array_from_process_local_data`, orbax checkpoints written collectively
-into one shared workdir, then a resume; all checked against 1 process x 8 fake devices.
+into one shared workdir, then a resume; all checked against 1 process x 4 fake devices.
 
 The jobs (each process is `tests/multiprocess_worker.py`):
 
 * ``multi``:  2 processes, max_steps=9, stopped after 6 steps through `should_stop` (the same
-  answer in both processes), checkpoints at 3 and 6;
-* ``resume``: the same 2-process job again, same workdir: it must restore step 6 and run 7..9;
-* ``single``: 1 process x 8 devices, same config, 9 steps uninterrupted.
+  answer in both processes), checkpoints at 3 and 6; data from the JSONL file;
+* ``resume``: the same 2-process job again, same workdir, but reading the tokenized cache of the
+  same data through one grain worker per process: it must restore step 6 and run 7..9;
+* ``single``: 1 process x 4 devices, same config, JSONL, 9 steps uninterrupted.
+
+So the 2-process losses match the 1-process ones from JSONL (steps 1..6) and from the cache
+(7..9), and a checkpoint made on JSONL resumes on the cache (tests/test_train.py: the other way,
+and bit-identical losses from both in one process).
 
 Why the first job is *stopped* after 6 of 9 steps rather than run with max_steps=6 and extended to 9:
 the learning-rate schedule (warmup + cosine decay) is built from the total step count, so a 6-step
@@ -65,7 +70,10 @@ class Job:
         self.name, self.root = name, root
         root.mkdir(parents=True, exist_ok=True)
         port = free_port() if num_processes > 1 else 0
-        env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu",
+        # The worker runs as a script (sys.path[0] is tests/): this checkout's code, not whichever
+        # dspark_jax is installed.
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu", PYTHONPATH=path,
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
         self.outs = [root / f"{name}.p{i}.json" for i in range(num_processes)]
         self.logs = [root / f"{name}.p{i}.log" for i in range(num_processes)]
@@ -120,27 +128,29 @@ def losses(result: dict) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_target, tmp_path_factory):
+def runs(tiny_target, tiny_cache, tmp_path_factory):
     target, data = tiny_target
     root = tmp_path_factory.mktemp("multiprocess")
 
-    def overrides(workdir: Path) -> list[str]:
+    def overrides(workdir: Path, *extra: str) -> list[str]:
         return [f"train.target_dir={target}", f"train.data_file={data}",
-                f"train.workdir={workdir}", "mesh.data=4", "mesh.fsdp=2", "mesh.tensor=1",
+                f"train.workdir={workdir}", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=1",
                 f"train.max_steps={MAX_STEPS}", "train.log_every=1",
-                f"train.checkpoint_every={CHECKPOINT_EVERY}", "train.keep_checkpoints=3"]
+                f"train.checkpoint_every={CHECKPOINT_EVERY}", "train.keep_checkpoints=3", *extra]
 
     multi_work, single_work = root / "multi_work", root / "single_work"
     # One job at a time: on 2 cores, overlapping jobs is slower than running them in turn (a
     # process waiting in a collective for its peer still burns CPU).
     results, walls = {}, {}
-    for name, nproc, ndev, work, stop in (("single", 1, 8, single_work, None),
-                                          # The stop request reaches the processes at different
-                                          # steps, as a signal would: they must stop together.
-                                          ("multi", 2, 4, multi_work, [STOP_AFTER, STOP_AFTER + 2]),
-                                          ("resume", 2, 4, multi_work, None)):
+    from_cache = (f"train.data_file={tiny_cache}", "train.data_workers=1")
+    for name, nproc, ndev, work, extra, stop in (
+            ("single", 1, 4, single_work, (), None),
+            # The stop request reaches the processes at different steps, as a signal would: they
+            # must stop together.
+            ("multi", 2, 2, multi_work, (), [STOP_AFTER, STOP_AFTER + 2]),
+            ("resume", 2, 2, multi_work, from_cache, None)):
         for attempt in range(3):
-            job = Job(name, root, nproc, ndev, overrides(work), stop_after=stop)
+            job = Job(name, root, nproc, ndev, overrides(work, *extra), stop_after=stop)
             try:
                 results[name] = job.wait()
                 break
@@ -160,15 +170,17 @@ def test_processes_form_one_job(runs):
     for name in ("multi", "resume"):
         for i, r in enumerate(runs[name]):
             assert (r["process_index"], r["process_count"]) == (i, 2), r["output"]
-            assert (r["local_device_count"], r["device_count"]) == (4, 8), r["output"]
-            assert "mesh {'data': 4, 'fsdp': 2, 'tensor': 1} over 8 cpu devices (2 processes)" \
+            assert (r["local_device_count"], r["device_count"]) == (2, 4), r["output"]
+            assert "mesh {'data': 2, 'fsdp': 2, 'tensor': 1} over 4 cpu devices (2 processes)" \
                 in r["logs"][0], r["logs"][0]
         # Replicated metrics of one computation: identical in both processes.
         assert runs[name][0]["steps"] == runs[name][1]["steps"], runs[name][0]["output"]
     single = runs["single"]
-    assert (single["process_count"], single["device_count"]) == (1, 8)
-    assert "mesh {'data': 4, 'fsdp': 2, 'tensor': 1} over 8 cpu devices (1 processes)" \
+    assert (single["process_count"], single["device_count"]) == (1, 4)
+    assert "mesh {'data': 2, 'fsdp': 2, 'tensor': 1} over 4 cpu devices (1 processes)" \
         in single["logs"][0], single["logs"][0]
+    resume_data = next(line for line in runs["resume"][0]["logs"] if line.startswith("data: "))
+    assert "(tokenized cache, 3 shards; 96 records; 1 batch workers)" in resume_data, resume_data
 
 
 def test_multiprocess_losses_match_single_process(runs):
@@ -180,7 +192,7 @@ def test_multiprocess_losses_match_single_process(runs):
     got = np.array([multi[s] for s in sorted(multi)])
     want = np.array([single[s] for s in sorted(multi)])
     np.testing.assert_allclose(got, want, rtol=0, atol=LOSS_ATOL,
-                               err_msg="2 processes x 4 devices vs 1 process x 8 devices")
+                               err_msg="2 processes x 2 devices vs 1 process x 4 devices")
     assert got[-3:].mean() < got[:3].mean(), got  # it is training, not standing still
 
 
@@ -198,7 +210,8 @@ def test_collective_checkpoints_and_resume(runs):
     assert sorted(got) == list(range(STOP_AFTER + 1, MAX_STEPS + 1)), runs["resume"][0]["output"]
     np.testing.assert_allclose([got[s] for s in sorted(got)], [single[s] for s in sorted(got)],
                                rtol=0, atol=LOSS_ATOL,
-                               err_msg="resumed 2-process steps 7..9 vs uninterrupted 1-process")
+                               err_msg="resumed 2-process steps 7..9 (from the cache) vs "
+                                       "uninterrupted 1-process (from JSONL)")
 
 
 def _run_job(name, root, nproc, ndev, overrides, stop=None):
@@ -214,13 +227,14 @@ def _run_job(name, root, nproc, ndev, overrides, stop=None):
 
 
 @pytest.mark.skipif(not os.environ.get("DSPARK_TEST_RESHARD"), reason=(
-    "opt-in (DSPARK_TEST_RESHARD=1): a 4-device process resuming an 8-device checkpoint has hung in "
+    "opt-in (DSPARK_TEST_RESHARD=1): a 4-device process resuming an 8-device checkpoint (this test "
+    "before the jobs shrank to 4 devices) has hung in "
     "XLA's in-process CPU collective rendezvous (two programs' all-reduces interleaved across device "
     "threads, aborted after 40 s) in 2 of 3 runs on 2 cores, once under CI; it passed the other"))
 def test_restore_across_mesh_shapes(runs, tiny_target, tmp_path):
-    """A checkpoint saved on 8 devices (2 processes x 4: the `multi` job, stopped at step 6)
-    resumes on 1 process x 4 devices, and one saved there resumes on 8: the restored state is
-    resharded onto the new mesh, and steps 7..9 match the uninterrupted 8-device run."""
+    """A checkpoint saved on 4 devices (2 processes x 2: the `multi` job, stopped at step 6)
+    resumes on 1 process x 2 devices, and one saved there resumes on 4: the restored state is
+    resharded onto the new mesh, and steps 7..9 match the uninterrupted 4-device run."""
     import shutil
 
     target, data = tiny_target
@@ -233,17 +247,17 @@ def test_restore_across_mesh_shapes(runs, tiny_target, tmp_path):
                 # XLA's in-process CPU rendezvous on 2 busy cores; what is tested here is the restore
                 "train.async_checkpointing=false"]
 
-    small, large = {"data": 2, "fsdp": 2, "tensor": 1}, {"data": 4, "fsdp": 2, "tensor": 1}
-    shrink = tmp_path / "shrink"  # the 8-device run's checkpoints up to step 6
+    small, large = {"data": 1, "fsdp": 2, "tensor": 1}, {"data": 2, "fsdp": 2, "tensor": 1}
+    shrink = tmp_path / "shrink"  # the 4-device run's checkpoints up to step 6
     shutil.copytree(runs["multi_work"], shrink)
     for p in (shrink / "checkpoints").iterdir():
         if p.name.isdigit() and int(p.name) > STOP_AFTER:
             shutil.rmtree(p)
-    got = {"8 -> 4": _run_job("shrink", tmp_path, 1, 4, overrides(shrink, small))[0]}
+    got = {"4 -> 2": _run_job("shrink", tmp_path, 1, 2, overrides(shrink, small))[0]}
     grow = tmp_path / "grow"
-    first = _run_job("grow-first", tmp_path, 1, 4, overrides(grow, small), stop=STOP_AFTER)[0]
+    first = _run_job("grow-first", tmp_path, 1, 2, overrides(grow, small), stop=STOP_AFTER)[0]
     assert first["summary"]["step"] == STOP_AFTER, first["output"]
-    got["4 -> 8"] = _run_job("grow", tmp_path, 1, 8, overrides(grow, large))[0]
+    got["2 -> 4"] = _run_job("grow", tmp_path, 1, 4, overrides(grow, large))[0]
     single = losses(runs["single"])
     for what, r in got.items():
         assert any(line.startswith("resumed from") and line.endswith(f"checkpoints/{STOP_AFTER}")

@@ -1,8 +1,10 @@
 """Drafter training end to end on the tiny preset: learning, exact resume, signals, SIGKILL during a
 save, non-finite loss, changed config, bad input, export."""
 
+import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -96,6 +98,69 @@ def check_resume_is_bit_exact(make, tmp_path, steps: int, every: int, stop: int)
 def test_resume_is_bit_exact(tiny_target, tmp_path):
     check_resume_is_bit_exact(lambda work, *extra: make_cfg(tiny_target, work, *extra), tmp_path,
                               steps=12, every=4, stop=6)
+
+
+def test_cache_trains_as_jsonl_and_resumes_across_sources(tiny_target, tiny_cache, tmp_path):
+    """The losses of a run on the tokenized cache are those of the JSONL file, bit for bit; a run
+    started on the cache resumes on the JSONL file (tests/test_multiprocess.py: the other way)."""
+    extra = ("train.max_steps=8", "train.log_every=1", "train.checkpoint_every=4")
+    straight, _ = train(make_cfg(tiny_target, tmp_path / "a", *extra))
+    first, summary = train(make_cfg(tiny_target, tmp_path / "b", *extra, f"train.data_file={tiny_cache}"),
+                           stop_after=5)
+    assert summary["stopped"] == "signal" and summary["step"] == 5
+    assert summary["input_wait_s_per_step"] > 0
+    resumed, summary = train(make_cfg(tiny_target, tmp_path / "b", *extra))
+    assert summary["step"] == 8 and sorted(resumed) == [6, 7, 8]
+    for step in range(1, 9):
+        got = first.get(step) or resumed[step]
+        assert got["loss"] == straight[step]["loss"], step
+        assert got["accept_rate"] == straight[step]["accept_rate"], step
+
+
+def tree_hashes(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_bad_cache_is_refused_before_checkpoints_are_touched(tiny_target, tiny_cache, tmp_path):
+    """A stale, unfinished, incomplete or damaged cache: one error each, raised before the
+    workdir's checkpoints are opened; the good cache then resumes them."""
+    work = tmp_path / "run"
+    train(make_cfg(tiny_target, work, "train.max_steps=4", "train.checkpoint_every=2"))
+    before = tree_hashes(work)
+    assert any(name.startswith("checkpoints/4/") for name in before), before
+
+    def broken(name, damage):
+        copy = tmp_path / name
+        shutil.copytree(tiny_cache, copy)
+        damage(copy)
+        return copy
+
+    def flip(path):
+        data = bytearray(path.read_bytes())
+        data[100] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+    cases = [
+        (tiny_cache, ["train.max_length=48"], r"cache: stale: made with max_length 64 \(the run's: 48\)"),
+        (broken("unfinished", lambda c: (c / "manifest.json").unlink()), [],
+         r"unfinished: an unfinished tokenized cache"),
+        (broken("missing", lambda c: (c / "shard-00001.arrayrecord").unlink()), [],
+         r"shard-00001.arrayrecord: missing shard \(2 of the 3"),
+        (broken("damaged", lambda c: flip(c / "shard-00002.arrayrecord")), [],
+         r"shard-00002.arrayrecord: corrupt shard: its sha256"),
+    ]
+    for cache, extra, pattern in cases:
+        cfg = make_cfg(tiny_target, work, "train.max_steps=6", "train.checkpoint_every=2",
+                       f"train.data_file={cache}", *extra)
+        with pytest.raises(DataError, match=pattern):
+            trainer.run(cfg)
+        assert tree_hashes(work) == before, pattern
+    logs = []
+    cfg = make_cfg(tiny_target, work, "train.max_steps=6", "train.checkpoint_every=2",
+                   f"train.data_file={tiny_cache}")
+    assert trainer.run(cfg, log=logs.append)["step"] == 6
+    assert any(line.startswith("resumed from") and line.endswith("/4") for line in logs), logs
 
 
 def test_changed_model_config_refuses_to_resume(tiny_target, tmp_path):

@@ -3,6 +3,9 @@
     python -m train.drafter --config configs/dspark-qwen3-8b.yaml train.target_dir=/ckpt/Qwen3-8B \
         train.data_file=data.jsonl train.workdir=runs/dspark-8b [more key=value overrides]
 
+`train.data_file` may also be a tokenized cache directory (`python -m train.tokenize`), read by
+`train.data_workers` worker processes.
+
 The preset's `drafter.kind` (dspark, the default, or eagle3: `--config eagle3-qwen3-8b`) says which.
 
 Prints a progress line every `train.log_every` steps, writes TensorBoard scalars to WORKDIR/tb and
@@ -82,7 +85,7 @@ def main(argv=None) -> int:
         def on_step(s):
             eta = "?" if math.isnan(s.eta_s) else f"{s.eta_s / 60:.1f} min"
             print(f"step {s.step} | {format_metrics(s.metrics)} | {s.tokens_per_s:,.0f} tok/s | "
-                  f"eta {eta}", flush=True)
+                  f"input {s.input_wait_s * 1e3:.1f} ms/step | eta {eta}", flush=True)
             if writer:
                 for k, v in s.metrics.items():
                     if isinstance(v, list):
@@ -91,6 +94,7 @@ def main(argv=None) -> int:
                     else:
                         writer.add_scalar(k, v, s.step)
                 writer.add_scalar("tokens_per_s", s.tokens_per_s, s.step)
+                writer.add_scalar("input_wait_s", s.input_wait_s, s.step)
                 writer.flush()
 
         summary = trainer.run(cfg, log=lambda line: print(line, flush=True) if lead else None,
@@ -98,7 +102,8 @@ def main(argv=None) -> int:
         if writer:
             writer.close()
         print(f"finished at step {summary['step']} ({summary['stopped']}); "
-              f"checkpoints in {summary['workdir']}/checkpoints", flush=True)
+              f"checkpoints in {summary['workdir']}/checkpoints; waited "
+              f"{summary['input_wait_s_per_step'] * 1e3:.1f} ms/step for input", flush=True)
         return 0
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -40,6 +40,7 @@ family's settings (:data:`~dspark_jax.formats.chat_template.FAMILIES`):
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -75,16 +76,22 @@ def _prefix(where: str, message: str) -> str:
 # JSONL
 
 
-def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
+def iter_jsonl(path: str | Path, *, offset: int = 0, first_line: int = 1,
+               num_lines: int | None = None) -> Iterator[tuple[int, Any]]:
     """Yield ``(1-based line number, parsed value)`` for each non-blank line of ``path``; a line
-    that is not UTF-8 JSON yields its DataError instead, so a caller may skip it and go on."""
+    that is not UTF-8 JSON yields its DataError instead, so a caller may skip it and go on.
+
+    A piece of the file (what one tokenizing worker reads): ``num_lines`` lines (blank ones
+    included; None: to the end) from byte ``offset``, which must be the start of line ``first_line``.
+    """
     path = Path(path)
     try:
         handle = path.open("rb")
     except OSError as err:
         raise DataError(f"{path}: cannot open file ({err.strerror or err})") from err
     with handle:
-        for line_no, raw in enumerate(handle, start=1):
+        handle.seek(offset)
+        for line_no, raw in enumerate(itertools.islice(handle, num_lines), start=first_line):
             try:
                 # utf-8-sig drops a byte-order mark some editors put on line 1.
                 line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")

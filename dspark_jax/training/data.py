@@ -11,24 +11,42 @@ Randomness: epoch ``e`` visits records in ``default_rng([seed, e]).permutation(n
 ``i`` of that permutation samples its anchors from ``default_rng([seed, e, i, 1])``. The trailing 1
 keeps the two streams apart (SeedSequence pads entropy with zeros, so ``[s, e]`` equals
 ``[s, e, 0, 0]``). Anchors thus depend only on (seed, epoch, slot), not on batch size or process.
+
+Records come from a :class:`RecordSource`: a :class:`Dataset`, or a tokenized cache
+(:mod:`dspark_jax.training.token_cache`) holding the same records in the same order, so one
+iterator yields the same batches from either. One function builds batches, :class:`LocalBatches`;
+with ``workers > 0`` grain worker processes run it for the next batches while a step runs. The
+iterator's state is its own (epoch, position), not grain's, so a run may resume with another
+number of workers, or from a cache of the data it was started on from JSONL.
+
+Why not grain's ``IndexSampler`` with ``ShardByJaxProcess``: it gives each process a contiguous
+range of the *records* before shuffling, so what a process trains on would depend on the number of
+processes, and a 2-process run would not see the batches of a 1-process run. Here every process
+derives the same global permutation and builds only its own rows of each global batch.
+
+jax is imported only where global arrays are made: the tokenizing workers of
+:mod:`~dspark_jax.training.token_cache` import this module and need none of it.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dspark_jax.errors import ConfigError, DataError
 from dspark_jax.formats.records import TrainingExample, iter_jsonl, training_example
 from dspark_jax.formats.tokenizer import END_OF_TEXT, Tokenizer
+
+if TYPE_CHECKING:
+    import jax
+    from jax.sharding import Mesh
 
 _ANCHOR_STREAM = 1  # last SeedSequence word of the anchor streams (see module docstring)
 _STATE_KEYS = ("epoch", "position", "seed", "num_records", "lengths_sha256")
@@ -60,6 +78,40 @@ class DatasetStats:
         """The counts by name (for logs)."""
         return asdict(self)
 
+    @classmethod
+    def sum(cls, parts: Sequence[DatasetStats]) -> DatasetStats:
+        """The counts of the pieces of a file, or of several files, together."""
+        return cls(**{f.name: sum(getattr(p, f.name) for p in parts) for f in fields(cls)})
+
+
+def records_fingerprint(lengths: np.ndarray) -> dict[str, Any]:
+    """Number of records and a hash of their lengths; iterator states carry it to detect changed data."""
+    lengths = np.asarray(lengths, dtype="<i8")
+    return {"num_records": len(lengths), "lengths_sha256": hashlib.sha256(lengths.tobytes()).hexdigest()}
+
+
+class RecordSource(Protocol):
+    """Random access to tokenized training records: a :class:`Dataset` or a tokenized cache.
+
+    lengths: int [n], tokens of each record (<= max_length)
+    record(i): (input ids int32 [lengths[i]], loss mask bool [lengths[i]])
+    """
+
+    path: str
+    max_length: int
+    pad_id: int
+    stats: DatasetStats
+    errors: tuple[str, ...]
+
+    def __len__(self) -> int: ...
+
+    @property
+    def lengths(self) -> np.ndarray: ...
+
+    def record(self, index: int) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def fingerprint(self) -> dict[str, Any]: ...
+
 
 @dataclass(frozen=True)
 class Dataset:
@@ -81,13 +133,18 @@ class Dataset:
     def __len__(self) -> int:
         return len(self.input_ids)
 
+    @functools.cached_property
+    def lengths(self) -> np.ndarray:
+        """int64 [n]: tokens of each record."""
+        return np.asarray([len(x) for x in self.input_ids], dtype=np.int64)
+
+    def record(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """(input ids, loss mask) of record ``index``."""
+        return self.input_ids[index], self.loss_masks[index]
+
     def fingerprint(self) -> dict[str, Any]:
-        """Number of records and a hash of their lengths; iterator states carry it to detect changed data."""
-        lengths = np.asarray([len(x) for x in self.input_ids], dtype="<i8")
-        return {
-            "num_records": len(self.input_ids),
-            "lengths_sha256": hashlib.sha256(lengths.tobytes()).hexdigest(),
-        }
+        """See :func:`records_fingerprint`."""
+        return records_fingerprint(self.lengths)
 
 
 def is_too_short(loss_mask: np.ndarray, min_length: int) -> bool:
@@ -96,11 +153,13 @@ def is_too_short(loss_mask: np.ndarray, min_length: int) -> bool:
 
 
 def training_examples(path: str | Path, tokenizer: Tokenizer, *, enable_thinking: bool | None = None,
-                      system_prompt: str | None = None
+                      system_prompt: str | None = None, offset: int = 0, first_line: int = 1,
+                      num_lines: int | None = None
                       ) -> Iterator[tuple[str, Any, TrainingExample | DataError | None]]:
     """(file:line, the parsed line, its `training_example` or the DataError that refused it) per
-    non-blank line of a JSONL file."""
-    for line_no, obj in iter_jsonl(path):
+    non-blank line of a JSONL file, or of the piece of it that ``offset``, ``first_line`` and
+    ``num_lines`` name (see :func:`~dspark_jax.formats.records.iter_jsonl`)."""
+    for line_no, obj in iter_jsonl(path, offset=offset, first_line=first_line, num_lines=num_lines):
         where = f"{path}:{line_no}"
         try:
             if isinstance(obj, DataError):
@@ -114,27 +173,39 @@ def training_examples(path: str | Path, tokenizer: Tokenizer, *, enable_thinking
         yield where, obj, example
 
 
-def load_conversations(path: str | Path, tokenizer: Tokenizer, *, max_length: int, min_length: int,
-                       enable_thinking: bool | None = None, system_prompt: str | None = None
-                       ) -> Dataset:
-    """Tokenize every ``conversations``/``turns`` record of a JSONL file (see :class:`DatasetStats`).
-
-    Records longer than ``max_length`` tokens are cut to it. Training callers pass
-    ``min_length = block_size + 1``. ``enable_thinking`` is handed to the chat template when not None;
-    ``system_prompt`` replaces the template family's default one ("": none) when not None.
-    Raises DataError naming file and line for the first unreadable record, and naming the file and
-    the skip counts when no record is usable.
-    """
+def check_lengths(max_length: int, min_length: int) -> None:
+    """The cut and the shortest record a dataset keeps must make sense together."""
     if min_length < 2:
         raise ConfigError(f"data: min_length must be >= 2 (two tokens make one anchor), got {min_length}")
     if max_length < min_length:
         raise ConfigError(f"data: max_length ({max_length}) must be >= min_length ({min_length})")
+
+
+@dataclass(frozen=True)
+class TokenizedRecords:
+    """What tokenizing a file, or a piece of one, gives: the kept records, counts and skip reasons."""
+
+    input_ids: list[np.ndarray]
+    loss_masks: list[np.ndarray]
+    stats: DatasetStats
+    errors: tuple[str, ...]
+
+
+def tokenize_jsonl(path: str | Path, tokenizer: Tokenizer, *, max_length: int, min_length: int,
+                   enable_thinking: bool | None = None, system_prompt: str | None = None,
+                   offset: int = 0, first_line: int = 1, num_lines: int | None = None
+                   ) -> TokenizedRecords:
+    """Tokenize every ``conversations``/``turns`` record of a JSONL file, or of a piece of it (see
+    :func:`training_examples`), as :func:`load_conversations` does, without its check that some
+    record is usable. The one tokenizing loop of JSONL files and tokenized caches."""
+    check_lengths(max_length, min_length)
     input_ids: list[np.ndarray] = []
     loss_masks: list[np.ndarray] = []
     read = no_assistant = too_short = truncated = 0
     errors: list[str] = []
     for _, _, example in training_examples(path, tokenizer, enable_thinking=enable_thinking,
-                                           system_prompt=system_prompt):
+                                           system_prompt=system_prompt, offset=offset,
+                                           first_line=first_line, num_lines=num_lines):
         read += 1
         if isinstance(example, DataError):
             errors.append(str(example))
@@ -158,22 +229,51 @@ def load_conversations(path: str | Path, tokenizer: Tokenizer, *, max_length: in
         skipped_too_short=too_short,
         truncated=truncated,
     )
-    if not input_ids:
-        raise DataError(
-            f"{path}: no usable training records ({read} read, {len(errors)} bad"
-            + (f" (first: {errors[0]})" if errors else "") + f", {no_assistant} without an assistant turn, "
-            f"{too_short} shorter than {min_length} tokens or with fewer than 2 adjacent supervised "
-            f"tokens after cutting to {max_length})"
-        )
+    return TokenizedRecords(input_ids, loss_masks, stats, tuple(errors))
+
+
+def check_usable(path: str | Path, stats: DatasetStats, errors: Sequence[str], *, max_length: int,
+                 min_length: int) -> None:
+    """DataError naming ``path`` and the skip counts when no record was kept."""
+    if stats.kept:
+        return
+    raise DataError(
+        f"{path}: no usable training records ({stats.records_read} read, {stats.skipped_bad} bad"
+        + (f" (first: {errors[0]})" if errors else "")
+        + f", {stats.skipped_no_assistant} without an assistant turn, "
+        f"{stats.skipped_too_short} shorter than {min_length} tokens or with fewer than 2 adjacent "
+        f"supervised tokens after cutting to {max_length})"
+    )
+
+
+def pad_id_of(tokenizer: Tokenizer) -> int:
+    """Id that pads rows of a batch: ``<|endoftext|>`` when the tokenizer has it, else 0."""
     pad_id = tokenizer.backend.token_to_id(END_OF_TEXT)
+    return 0 if pad_id is None else int(pad_id)
+
+
+def load_conversations(path: str | Path, tokenizer: Tokenizer, *, max_length: int, min_length: int,
+                       enable_thinking: bool | None = None, system_prompt: str | None = None
+                       ) -> Dataset:
+    """Tokenize every ``conversations``/``turns`` record of a JSONL file (see :class:`DatasetStats`).
+
+    Records longer than ``max_length`` tokens are cut to it. Training callers pass
+    ``min_length = block_size + 1``. ``enable_thinking`` is handed to the chat template when not None;
+    ``system_prompt`` replaces the template family's default one ("": none) when not None.
+    Raises DataError naming file and line for the first unreadable record, and naming the file and
+    the skip counts when no record is usable.
+    """
+    records = tokenize_jsonl(path, tokenizer, max_length=max_length, min_length=min_length,
+                             enable_thinking=enable_thinking, system_prompt=system_prompt)
+    check_usable(path, records.stats, records.errors, max_length=max_length, min_length=min_length)
     return Dataset(
         path=str(path),
-        input_ids=input_ids,
-        loss_masks=loss_masks,
+        input_ids=records.input_ids,
+        loss_masks=records.loss_masks,
         max_length=max_length,
-        pad_id=0 if pad_id is None else int(pad_id),
-        stats=stats,
-        errors=tuple(errors),
+        pad_id=pad_id_of(tokenizer),
+        stats=records.stats,
+        errors=records.errors,
     )
 
 
@@ -208,6 +308,109 @@ def sample_anchors(
 # ---------------------------------------------------------------------------
 # Batches
 
+_ENDLESS = 1 << 62  # "length" of the endless stream of batches grain indexes
+_BUFFER_PER_WORKER = 2  # batches each grain worker builds ahead
+
+
+class LocalBatches:
+    """This process's batches from a point of the stream on, by index: element ``j`` is the ``j``-th
+    batch a :class:`BatchIterator` at (``epoch``, ``position``) yields (see its docstring for the
+    layout). The one place batches are built, whether by the iterator itself or by grain's worker
+    processes, which get a pickled copy (a :class:`Dataset` travels whole; a cache by its paths)."""
+
+    def __init__(self, source: RecordSource, *, global_batch_size: int, process_index: int,
+                 process_count: int, num_anchors: int, seed: int, drop_remainder: bool, pad_id: int,
+                 pad_to_multiple: int, epoch: int, position: int) -> None:
+        self.source = source
+        self.global_batch_size = global_batch_size
+        self.local_batch_size = global_batch_size // process_count
+        self.process_index = process_index
+        self.num_anchors = num_anchors
+        self.seed = seed
+        self.drop_remainder = drop_remainder
+        self.pad_id = pad_id
+        self.pad_to_multiple = pad_to_multiple
+        self.epoch, self.position = epoch, position
+        self._perm_epoch = -1
+        self._perm = np.empty(0, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return _ENDLESS
+
+    def __repr__(self) -> str:
+        return (f"LocalBatches({self.source.path!r}, rows {self.process_index} x {self.local_batch_size} "
+                f"of {self.global_batch_size}, seed {self.seed}, from epoch {self.epoch} slot {self.position})")
+
+    @property
+    def steps_per_epoch(self) -> int:
+        n, g = len(self.source), self.global_batch_size
+        return n // g if self.drop_remainder else math.ceil(n / g)
+
+    def locate(self, j: int) -> tuple[int, int]:
+        """(epoch, first slot) of batch ``j``: the epoch's permutation slot where its global batch starts."""
+        n, g = len(self.source), self.global_batch_size
+        left = (n - self.position) // g if self.drop_remainder else math.ceil((n - self.position) / g)
+        if j < left:
+            return self.epoch, self.position + j * g
+        j -= left
+        return self.epoch + 1 + j // self.steps_per_epoch, (j % self.steps_per_epoch) * g
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.source))
+            self._perm_epoch = epoch
+        return self._perm
+
+    def batch_length(self, epoch: int, position: int) -> int:
+        """L of the global batch at (epoch, position): from the lengths of all its records, so
+        every process agrees although each reads only its own rows."""
+        max_length, m = self.source.max_length, self.pad_to_multiple
+        if not m:
+            return max_length
+        slots = self.permutation(epoch)[position:position + self.global_batch_size]
+        longest = int(self.source.lengths[slots].max())
+        return min(-(-longest // m) * m, max_length)
+
+    def __getitem__(self, j: int) -> dict[str, np.ndarray]:
+        epoch, position = self.locate(int(j))
+        n, b, length = len(self.source), self.local_batch_size, self.batch_length(epoch, position)
+        perm = self.permutation(epoch)
+        input_ids = np.full((b, length), self.pad_id, dtype=np.int32)
+        loss_mask = np.zeros((b, length), dtype=bool)
+        attention_mask = np.zeros((b, length), dtype=bool)
+        anchors = np.zeros((b, self.num_anchors), dtype=np.int32)
+        anchor_keep = np.zeros((b, self.num_anchors), dtype=bool)
+        first_slot = position + self.process_index * b
+        for row in range(b):
+            slot = first_slot + row
+            if slot >= n:  # padding row of a partial last batch
+                continue
+            ids, mask = self.source.record(int(perm[slot]))
+            input_ids[row, : len(ids)] = ids
+            loss_mask[row, : len(mask)] = mask
+            attention_mask[row, : len(ids)] = True
+            if self.num_anchors:
+                rng = np.random.default_rng([self.seed, epoch, slot, _ANCHOR_STREAM])
+                anchors[row], anchor_keep[row] = sample_anchors(mask, self.num_anchors, rng)
+        batch = {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention_mask}
+        if self.num_anchors:
+            batch.update(anchors=anchors, anchor_keep=anchor_keep)
+        return batch
+
+
+def _prefetching(batches: LocalBatches, workers: int):
+    """A grain iterator over ``batches`` whose ``workers`` processes build the next ones ahead."""
+    import grain
+    from absl import flags
+
+    # grain's worker processes read absl flags; outside an absl app nobody has parsed them.
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    ds = grain.MapDataset.source(batches).to_iter_dataset(
+        grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+    return iter(ds.mp_prefetch(grain.MultiprocessingOptions(
+        num_workers=workers, per_worker_buffer_size=_BUFFER_PER_WORKER)))
+
 
 class BatchIterator:
     """Endless fixed-shape batches of this process's rows, epoch after epoch.
@@ -232,11 +435,14 @@ class BatchIterator:
     only, which no loss, anchor or attended key reads, so a step computes what it would on the
     full length, at a cost that follows the data (one compiled step per distinct L). Every process
     derives L from the same permutation and record lengths, so all agree on the global shape.
+
+    ``workers > 0``: that many grain worker processes build the batches (the same ones) ahead of
+    ``next()``; :meth:`close` stops them.
     """
 
     def __init__(
         self,
-        dataset: Dataset,
+        dataset: RecordSource,
         *,
         global_batch_size: int,
         num_anchors: int,
@@ -247,6 +453,7 @@ class BatchIterator:
         drop_remainder: bool = True,
         pad_id: int | None = None,
         pad_to_multiple: int = 0,
+        workers: int = 0,
     ) -> None:
         n = len(dataset)
         if global_batch_size < 1 or num_anchors < 0 or block_size < 1:
@@ -256,6 +463,8 @@ class BatchIterator:
             )
         if pad_to_multiple < 0:
             raise ConfigError(f"data: pad_to_multiple must be >= 0, got {pad_to_multiple}")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+            raise ConfigError(f"data: workers must be a non-negative int, got {workers!r}")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ConfigError(f"data: seed must be a non-negative int, got {seed!r}")
         if process_count < 1 or not 0 <= process_index < process_count:
@@ -280,63 +489,51 @@ class BatchIterator:
         self.drop_remainder = drop_remainder
         self.pad_id = dataset.pad_id if pad_id is None else int(pad_id)
         self.pad_to_multiple = int(pad_to_multiple)
+        self.workers = workers
         self._fingerprint = dataset.fingerprint()
         self.epoch = 0
         self.position = 0  # slot of the permutation where the next global batch starts
-        self._perm_epoch = -1
-        self._perm = np.empty(0, dtype=np.int64)
+        self._restart()
+
+    def _restart(self) -> None:
+        """Build batches from (epoch, position) on; stops the workers of the stream before."""
+        self.close()
+        self._batches = LocalBatches(
+            self.dataset, global_batch_size=self.global_batch_size, process_index=self.process_index,
+            process_count=self.process_count, num_anchors=self.num_anchors, seed=self.seed,
+            drop_remainder=self.drop_remainder, pad_id=self.pad_id,
+            pad_to_multiple=self.pad_to_multiple, epoch=self.epoch, position=self.position)
+        self._taken = 0  # batches of self._batches yielded so far
 
     @property
     def steps_per_epoch(self) -> int:
         """Global batches in one epoch."""
-        n = len(self.dataset)
-        return n // self.global_batch_size if self.drop_remainder else math.ceil(n / self.global_batch_size)
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
-            self._perm_epoch = epoch
-        return self._perm
+        return self._batches.steps_per_epoch
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         return self
 
     def batch_length(self) -> int:
         """L of the next global batch (see the class docstring)."""
-        longest, m = self.dataset.max_length, self.pad_to_multiple
-        if m:
-            perm = self._permutation(self.epoch)
-            slots = perm[self.position:min(self.position + self.global_batch_size, len(self.dataset))]
-            longest = max(len(self.dataset.input_ids[r]) for r in slots)
-            longest = -(-longest // m) * m
-        return min(longest, self.dataset.max_length)
+        return self._batches.batch_length(self.epoch, self.position)
 
     def __next__(self) -> dict[str, np.ndarray]:
-        n, b, length = len(self.dataset), self.local_batch_size, self.batch_length()
-        perm = self._permutation(self.epoch)
-        input_ids = np.full((b, length), self.pad_id, dtype=np.int32)
-        loss_mask = np.zeros((b, length), dtype=bool)
-        attention_mask = np.zeros((b, length), dtype=bool)
-        anchors = np.zeros((b, self.num_anchors), dtype=np.int32)
-        anchor_keep = np.zeros((b, self.num_anchors), dtype=bool)
-        first_slot = self.position + self.process_index * b
-        for row in range(b):
-            slot = first_slot + row
-            if slot >= n:  # padding row of a partial last batch
-                continue
-            record = perm[slot]
-            ids, mask = self.dataset.input_ids[record], self.dataset.loss_masks[record]
-            input_ids[row, : len(ids)] = ids
-            loss_mask[row, : len(mask)] = mask
-            attention_mask[row, : len(ids)] = True
-            if self.num_anchors:
-                rng = np.random.default_rng([self.seed, self.epoch, slot, _ANCHOR_STREAM])
-                anchors[row], anchor_keep[row] = sample_anchors(mask, self.num_anchors, rng)
+        if not self.workers:
+            batch = self._batches[self._taken]
+        else:
+            if self._loader is None:
+                self._loader = _prefetching(self._batches, self.workers)
+            # Out of grain's shared memory at once: its blocks are freed when the arrays are.
+            batch = {k: np.array(v) for k, v in next(self._loader).items()}
+        self._taken += 1
         self._advance()
-        batch = {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention_mask}
-        if self.num_anchors:
-            batch.update(anchors=anchors, anchor_keep=anchor_keep)
         return batch
+
+    def close(self) -> None:
+        """Stops the worker processes, if any (the next ``next()`` starts new ones)."""
+        loader, self._loader = getattr(self, "_loader", None), None
+        if loader is not None:
+            loader.close()
 
     def _advance(self) -> None:
         """Move to the next global batch, rolling over to the next epoch when this one is done."""
@@ -381,6 +578,7 @@ class BatchIterator:
         if self.drop_remainder and position + self.global_batch_size > len(self.dataset):
             # Saved with a smaller global batch: this epoch has no full batch left.
             self.epoch, self.position = epoch + 1, 0
+        self._restart()
 
 
 # ---------------------------------------------------------------------------
@@ -391,6 +589,9 @@ def make_global_batch(
     local_batch: Mapping[str, np.ndarray], mesh: Mesh, batch_axes: Sequence[str] = ("data", "fsdp")
 ) -> dict[str, jax.Array]:
     """Global arrays, dim 0 sharded over ``batch_axes``, from this process's rows of each entry."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
     spec = PartitionSpec(tuple(batch_axes))
     sharding = NamedSharding(mesh, spec)
     shards = math.prod(mesh.shape[a] for a in batch_axes)

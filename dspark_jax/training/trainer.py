@@ -25,7 +25,8 @@ from dspark_jax.formats.tokenizer import load_tokenizer
 from dspark_jax.models.target import target_spec
 from dspark_jax.params import abstract, count_params, init_params
 from dspark_jax.sharding import describe_mesh, make_mesh
-from dspark_jax.training.data import BatchIterator, load_conversations, make_global_batch
+from dspark_jax.training.data import BatchIterator, make_global_batch
+from dspark_jax.training.token_cache import TokenizedCache, open_training_data
 from dspark_jax.training.train_step import (
     TrainState,
     describe_params,
@@ -57,6 +58,7 @@ class Setup:
     optimizer: Any
     data_stats: dict
     data_errors: tuple[str, ...]  # why each skipped bad record was skipped
+    data_source: str  # what the records were read from (for the log)
 
 
 def load_target_for(cfg: Config, mesh):
@@ -77,31 +79,40 @@ def load_target_for(cfg: Config, mesh):
 
 
 def setup(cfg: Config) -> Setup:
-    mesh = make_mesh(cfg.mesh)
-    cfg, target_params = load_target_for(cfg, mesh)
+    """Data first (a bad file or cache is refused before the target loads), then mesh and target.
+    Touches nothing in the workdir."""
     tok_dir = cfg.train.tokenizer_dir or cfg.train.target_dir
     if not cfg.train.data_file:
-        raise ConfigError("train.data_file: required (a JSONL file of conversations)")
+        raise ConfigError("train.data_file: required (a JSONL file of conversations or a tokenized "
+                          "cache directory)")
     if not tok_dir:
         raise ConfigError("train.tokenizer_dir: required when train.target_dir is empty")
     tokenizer = load_tokenizer(tok_dir)
     if tokenizer.vocab_size > cfg.target.vocab_size:
         raise ConfigError(f"{tok_dir}: tokenizer has {tokenizer.vocab_size} tokens, more than "
                           f"target.vocab_size {cfg.target.vocab_size}")
-    dataset = load_conversations(cfg.train.data_file, tokenizer, max_length=cfg.train.max_length,
+    records = open_training_data(cfg.train.data_file, tokenizer, max_length=cfg.train.max_length,
                                  min_length=cfg.drafter.proposal_length + 1,
                                  enable_thinking=cfg.train.enable_thinking,
-                                 system_prompt=cfg.train.system_prompt)
-    iterator = BatchIterator(dataset, global_batch_size=cfg.train.global_batch_size,
+                                 system_prompt=cfg.train.system_prompt,
+                                 verify=cfg.train.verify_data_cache)
+    iterator = BatchIterator(records, global_batch_size=cfg.train.global_batch_size,
                              num_anchors=drafter_kind(cfg).num_anchors(cfg.drafter),
                              block_size=cfg.drafter.proposal_length,
                              seed=cfg.train.seed, process_index=jax.process_index(),
                              process_count=jax.process_count(),
-                             pad_to_multiple=cfg.train.pad_to_multiple)
+                             pad_to_multiple=cfg.train.pad_to_multiple,
+                             workers=cfg.train.data_workers)
+    kind = (f"tokenized cache, {records.num_shards} shards" if isinstance(records, TokenizedCache)
+            else "JSONL")
+    mesh = make_mesh(cfg.mesh)
+    cfg, target_params = load_target_for(cfg, mesh)
     total = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * iterator.steps_per_epoch))
     return Setup(cfg=cfg, mesh=mesh, target_params=target_params, iterator=iterator,
                  total_steps=total, optimizer=make_optimizer(cfg, total),
-                 data_stats=dataset.stats.as_dict(), data_errors=dataset.errors)
+                 data_stats=records.stats.as_dict(), data_errors=records.errors,
+                 data_source=f"{records.path} ({kind}; {len(records)} records; "
+                             f"{cfg.train.data_workers} batch workers)")
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -198,6 +209,7 @@ class StepLog:
     metrics: dict[str, Any]  # floats, or lists for per-position metrics
     tokens_per_s: float
     eta_s: float
+    input_wait_s: float = 0.0  # mean time per step blocked on the next batch, since the last report
 
 
 def _host_metrics(metrics) -> dict[str, Any]:
@@ -212,7 +224,8 @@ def run(cfg: Config, *, log: Callable[[str], None] = lambda s: None,
     s = setup(cfg)
     cfg = s.cfg
     log(f"{describe_mesh(s.mesh)}; jax {jax.__version__}; {jax.process_count()} processes")
-    log(f"data: {s.data_stats}; {s.iterator.steps_per_epoch} steps/epoch; {s.total_steps} steps")
+    log(f"data: {s.data_source}: {s.data_stats}; {s.iterator.steps_per_epoch} steps/epoch; "
+        f"{s.total_steps} steps")
     for error in s.data_errors[:5]:
         log(f"skipped a bad record: {error}")
     if len(s.data_errors) > 5:
@@ -240,6 +253,7 @@ def run(cfg: Config, *, log: Callable[[str], None] = lambda s: None,
     last_good = mngr.latest_step()
     t0, timed_steps, last, last_step = None, 0, {}, start_step
     last_reported = start_step
+    waits = {"total": 0.0, "steps": 0, "since_report": 0.0, "steps_since_report": 0}
 
     def check(items):
         """Reads metrics back; a non-finite loss stops the run before anything is saved."""
@@ -261,8 +275,11 @@ def run(cfg: Config, *, log: Callable[[str], None] = lambda s: None,
             return
         last_reported = last_step
         rate = timed_steps / max(time.perf_counter() - t0, 1e-9) if t0 else 0.0
+        wait = waits["since_report"] / max(waits["steps_since_report"], 1)
+        waits["since_report"], waits["steps_since_report"] = 0.0, 0
         on_step(StepLog(step=last_step, metrics=last, tokens_per_s=rate * tokens_per_step,
-                        eta_s=(s.total_steps - step - 1) / rate if rate else float("nan")))
+                        eta_s=(s.total_steps - step - 1) / rate if rate else float("nan"),
+                        input_wait_s=wait))
 
     stopped = "done"
     try:
@@ -272,7 +289,14 @@ def run(cfg: Config, *, log: Callable[[str], None] = lambda s: None,
             if any_process(should_stop()):
                 stopped = "signal"
                 break
-            batch = make_global_batch(next(s.iterator), s.mesh)
+            t_wait = time.perf_counter()
+            local = next(s.iterator)
+            t_wait = time.perf_counter() - t_wait
+            waits["total"] += t_wait
+            waits["since_report"] += t_wait
+            waits["steps"] += 1
+            waits["steps_since_report"] += 1
+            batch = make_global_batch(local, s.mesh)
             state, metrics = step_fn(state, s.target_params, batch)
             pending.append((step + 1, metrics))
             if step == start_step:  # the first step includes compilation
@@ -295,8 +319,10 @@ def run(cfg: Config, *, log: Callable[[str], None] = lambda s: None,
             save_checkpoint(mngr, state, s.iterator.state(), cfg, s.total_steps)
             log(f"stop requested: saved step {int(jax.device_get(state.step))}")
     finally:
+        s.iterator.close()
         mngr.wait_until_finished()
         mngr.close()
     return {"step": int(jax.device_get(state.step)), "stopped": stopped, "last_metrics": last,
-            "workdir": str(Path(cfg.train.workdir).absolute())}
+            "workdir": str(Path(cfg.train.workdir).absolute()),
+            "input_wait_s_per_step": waits["total"] / max(waits["steps"], 1)}
 
