@@ -240,6 +240,9 @@ def run(cfg: Config, *, log: Callable[[str], None] = lambda s: None,
     resumed = restore_checkpoint(mngr, state, cfg)
     if resumed is not None:
         state, data, step = resumed
+        # Resharding onto another mesh runs programs of its own; let them finish before the first
+        # step, so that no two programs' collectives are in flight on the same devices at once.
+        state = jax.block_until_ready(state)
         s.iterator.restore(data["iterator"])
         log(f"resumed from {mngr.directory}/{step}")
         saved_total = data["total_steps"]
