@@ -10,7 +10,8 @@ Train step: `make_train_step` of the config (its sequence length, anchors, block
 state from `train_step.abstract_state`, target and drafter weights from `params.abstract`, the batch
 as the trainer makes it (rows over data x fsdp). Each --train-layout is a comma-separated list of
 config overrides applied at every device count ("" = the preset's mesh, data=-1; `{n}` stands for
-the device count), e.g. "mesh.data=1,mesh.fsdp=-1".
+the device count, `{per}` for the preset's global batch over it), e.g.
+"mesh.data=1,mesh.fsdp=-1,train.microbatches={per}".
 
 Decode: the engine's programs (`engine.program`) for the config's target and drafter with SLOTS x
 MAX_LEN, state from `state.abstract_state`: the largest verification round of the default scheduler
@@ -40,9 +41,10 @@ from pathlib import Path
 GIB = 1024 ** 3
 DEFAULT_HBM = "H100=80,H200=141,TPUv5p=95"
 # the preset's mesh (data over every device) and ZeRO-3 over every device, each with the recipe's
-# global batch and with one sequence per device (the recipe's 512 do not fit: see the docs' table)
-DEFAULT_TRAIN_LAYOUTS = ("", "train.global_batch_size={n}", "mesh.data=1,mesh.fsdp=-1",
-                         "mesh.data=1,mesh.fsdp=-1,train.global_batch_size={n}")
+# global batch in one piece and in micro-batches of one sequence per device ({per}: the global
+# batch / the device count); the recipe's 512 at once do not fit: see the docs' table
+DEFAULT_TRAIN_LAYOUTS = ("", "train.microbatches={per}", "mesh.data=1,mesh.fsdp=-1",
+                         "mesh.data=1,mesh.fsdp=-1,train.microbatches={per}")
 DEFAULT_DECODE_LAYOUTS = ("1,1", "1,8", "8,1")
 PREFILL_BATCH = 8  # the engine's default largest prefill batch (Engine max_prefill_batch)
 
@@ -88,9 +90,9 @@ def train_plan(cfg, mesh) -> dict:
     step = make_train_step(cfg, optimizer, jax.tree.map(lambda x: x.sharding, state))
     t = time.perf_counter()
     compiled = step.lower(state, target, batch).compile()
-    per_device = B // (mesh.shape["data"] * mesh.shape["fsdp"])
+    per_device = B // (mesh.shape["data"] * mesh.shape["fsdp"] * cfg.train.microbatches)
     return {**memory(compiled), "compile_s": time.perf_counter() - t,
-            "sequences_per_device": per_device}
+            "sequences_per_device": per_device, "microbatches": cfg.train.microbatches}
 
 
 def decode_plan(tcfg, dcfg, slots: int, max_len: int, mesh, programs=None) -> dict[str, dict]:
@@ -145,8 +147,8 @@ def advice(row: dict, hbm_bytes: float) -> str:
         if resident > row["temporaries"]:
             return "mesh.fsdp, mesh.tensor (weights, Adam state)"
         n = row.get("sequences_per_device", 0)
-        return (f"train.global_batch_size ({n} seq/device; no gradient accumulation), "
-                "drafter.num_anchors, train.max_length")
+        return (f"train.microbatches ({n} seq/device at a time), drafter.num_anchors, "
+                "train.max_length")
     if row["program"].startswith("prefill"):
         return "--prefill-buckets, --max-len (prompt bucket); --tensor-parallel"
     return "--tensor-parallel (weights, KV heads); --data-parallel, --slots, --max-len (cache)"
@@ -168,7 +170,7 @@ def worker(args) -> None:
         base = {"devices": n, "kind": args.worker, "layout": layout}
         try:
             if args.worker == "train":
-                overrides = [o.replace("{n}", str(n)) for o in layout.split(",") if o]
+                overrides = [substitute(o, n, args.config) for o in layout.split(",") if o]
                 cfg = load_config(preset_path(args.config), overrides)
                 mesh = make_mesh(cfg.mesh)
                 rows = [{**base, "program": "train step", "mesh": dict(mesh.shape),
@@ -186,6 +188,16 @@ def worker(args) -> None:
             rows = [{**base, "error": str(e)}]
         for row in rows:
             print(json.dumps(row), flush=True)
+
+
+def substitute(override: str, devices: int, config: str) -> str:
+    """`{n}`: the device count; `{per}`: the config's global batch over it (at least 1)."""
+    from dspark_jax.config import load_config, preset_path
+
+    if "{per}" in override:
+        batch = load_config(preset_path(config)).train.global_batch_size
+        override = override.replace("{per}", str(max(batch // devices, 1)))
+    return override.replace("{n}", str(devices))
 
 
 def run_worker(kind: str, devices: int, layouts, args) -> list[dict]:
@@ -233,8 +245,9 @@ def table(rows: list[dict], hbm: list[tuple[str, float]]) -> str:
         where = "-" if not mesh else f"{mesh['data']}, {mesh['fsdp']}, {mesh['tensor']}"
         what = r.get("program", r["kind"])
         if r["kind"] == "train":
-            layout = r["layout"].replace("{n}", str(r["devices"])) or "preset mesh"
-            what = f"train step ({layout}; {r.get('sequences_per_device', '?')} seq/device)"
+            layout = r["layout"].replace("{n}", str(r["devices"])).replace(
+                "{per}", str(r.get("microbatches", "{per}"))) or "preset mesh"
+            what = f"train step ({layout}; {r.get('sequences_per_device', '?')} seq/device at a time)"
         if "error" in r:
             lines.append(f"| {what} | {r['devices']} | {where} | " + " | ".join(["-"] * 6)
                          + " | " + " | ".join(["-"] * len(hbm)) + f" | {r['error']} | - |")

@@ -278,6 +278,9 @@ class TrainConfig:
     # family's default (DeepSpec: Qwen's "You are a helpful assistant."), "" = none.
     system_prompt: str | None = None
     global_batch_size: int = 512
+    # > 1: each step runs the global batch as this many micro-batches in turn and sums their
+    # gradients (weighed as one batch: the same update), holding one micro-batch's activations.
+    microbatches: int = 1
     epochs: float = 10.0
     max_steps: int = 0  # > 0 overrides epochs
     learning_rate: float = 6e-4
@@ -294,7 +297,7 @@ class TrainConfig:
     async_checkpointing: bool = True
 
     def __post_init__(self):
-        for name in ("max_length", "global_batch_size", "log_every", "checkpoint_every",
+        for name in ("max_length", "global_batch_size", "microbatches", "log_every", "checkpoint_every",
                      "keep_checkpoints"):
             _require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         _require(self.max_steps >= 0, "max_steps", f"must be >= 0, got {self.max_steps}")

@@ -226,11 +226,6 @@ def _run_job(name, root, nproc, ndev, overrides, stop=None):
             job.kill()
 
 
-@pytest.mark.skipif(not os.environ.get("DSPARK_TEST_RESHARD"), reason=(
-    "opt-in (DSPARK_TEST_RESHARD=1): a 4-device process resuming an 8-device checkpoint (this test "
-    "before the jobs shrank to 4 devices) has hung in "
-    "XLA's in-process CPU collective rendezvous (two programs' all-reduces interleaved across device "
-    "threads, aborted after 40 s) in 2 of 3 runs on 2 cores, once under CI; it passed the other"))
 def test_restore_across_mesh_shapes(runs, tiny_target, tmp_path):
     """A checkpoint saved on 4 devices (2 processes x 2: the `multi` job, stopped at step 6)
     resumes on 1 process x 2 devices, and one saved there resumes on 4: the restored state is

@@ -63,6 +63,21 @@ def test_padding_to_the_batch_longest_keeps_the_losses(tiny_target, tmp_path, pr
                                        err_msg=f"step {step} {key}")
 
 
+def test_microbatches_train_to_the_same_losses(tiny_target, tmp_path):
+    """train.microbatches=4 (micro-batches of 2 sequences run in turn, gradients summed as one
+    batch's) trains to the losses of the one-batch run; a micro-batch count that does not divide
+    the global batch is refused before anything is written."""
+    runs = [train(make_cfg(tiny_target, tmp_path / f"run{m}", "train.max_steps=3", "train.log_every=1",
+                           f"train.microbatches={m}"))[0] for m in (1, 4)]
+    for step in range(1, 4):
+        for key in ("loss", "loss_ce", "grad_norm"):
+            np.testing.assert_allclose(runs[1][step][key], runs[0][step][key], rtol=2e-5, atol=1e-6,
+                                       err_msg=f"step {step} {key}")
+    with pytest.raises(ConfigError, match="train.microbatches 3: must divide train.global_batch_size 8"):
+        trainer.run(make_cfg(tiny_target, tmp_path / "bad", "train.microbatches=3"))
+    assert not (tmp_path / "bad").exists()
+
+
 @pytest.mark.parametrize("preset", ["dspark-tiny", "dflash-tiny"])
 def test_training_lowers_loss_and_raises_acceptance(tiny_target, tmp_path, preset):
     cfg = make_cfg(tiny_target, tmp_path / "run", "train.max_steps=40", "train.log_every=1",

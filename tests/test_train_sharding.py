@@ -71,3 +71,59 @@ def test_activations_on_an_fsdp_mesh_are_split_by_batch():
     split, whole = hidden(target, ids, rows), hidden(target, ids, None)
     assert split.sharding.shard_shape(split.shape)[0] == 1  # one sequence per device
     assert whole.sharding.shard_shape(whole.shape)[0] == 8  # without it: the whole batch on each
+
+
+def test_microbatches_give_the_one_batch_step():
+    """`train.microbatches`: the global batch run as 2 or 4 micro-batches in turn (on one device and
+    on data x fsdp = 2 x 2) gives the loss, gradient norm and parameters of the one-batch step.
+    The rows' supervised lengths differ, so averaging the micro-batches' own losses would not."""
+    cfg = load_config(preset_path("dspark-tiny"), ["train.warmup_ratio=0"])
+    batch = batch_for(cfg, seed=3)
+    rng = np.random.default_rng(3)
+    for r in range(0, 8, 2):  # the even rows (one micro-batch of 2) supervise few positions
+        batch["loss_mask"][r] = False
+        batch["loss_mask"][r, 5:14] = True
+        batch["anchors"][r], batch["anchor_keep"][r] = sample_anchors(
+            batch["loss_mask"][r], cfg.drafter.num_anchors, rng)
+    ref_params, ref = one_step(cfg, MeshConfig(data=1, fsdp=1, tensor=1), batch)
+    micro = lambda m: dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=m))
+    for m, mesh in ((4, MeshConfig(data=1, fsdp=1, tensor=1)), (2, MeshConfig(data=2, fsdp=2, tensor=2))):
+        params, got = one_step(micro(m), mesh, batch)
+        for key in ("loss", "loss_ce", "loss_tv", "loss_confidence", "grad_norm"):
+            np.testing.assert_allclose(got[key], ref[key], atol=2e-5, rtol=0, err_msg=f"{m}: {key}")
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=5e-5, rtol=0), params, ref_params)
+    # The negative control: the mean of the micro-batches' own losses is another number.
+    halves = [one_step(cfg, MeshConfig(data=1, fsdp=1, tensor=1),
+                       {k: v[i::2] for k, v in batch.items()})[1]["loss"] for i in (0, 1)]
+    assert abs(np.mean(halves) - ref["loss"]) > 1e-3, (halves, ref["loss"])  # 50 x the tolerance
+
+
+def test_microbatches_of_an_eagle3_step():
+    cfg = load_config(preset_path("eagle3-tiny"), ["train.warmup_ratio=0"])
+    rng = np.random.default_rng(1)
+    rows, length = 8, 48
+    valid = np.arange(length)[None, :] < rng.integers(20, length + 1, size=rows)[:, None]
+    batch = {"input_ids": np.where(valid, rng.integers(4, 320, size=(rows, length)), 0).astype(np.int32),
+             "loss_mask": valid & (np.arange(length)[None, :] >= rng.integers(3, 10, size=rows)[:, None]),
+             "attention_mask": valid}
+    ref_params, ref = one_step(cfg, MeshConfig(data=1, fsdp=1, tensor=1), batch)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=2))
+    params, got = one_step(cfg, MeshConfig(data=2, fsdp=1, tensor=1), batch)
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose(got[key], ref[key], atol=2e-5, rtol=0, err_msg=key)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=5e-5, rtol=0), params, ref_params)
+
+
+@pytest.mark.parametrize("m, devices, pattern", [
+    (3, 1, "train.microbatches 3: must divide train.global_batch_size 8"),
+    (4, 4, "train.microbatches 4: a micro-batch of 2 sequences does not split over the 4 devices"),
+])
+def test_bad_microbatches(m, devices, pattern):
+    from dspark_jax.errors import ConfigError
+    from dspark_jax.training.train_step import check_microbatches
+
+    cfg = load_config(preset_path("dspark-tiny"), ["train.global_batch_size=8", f"train.microbatches={m}"])
+    with pytest.raises(ConfigError, match=pattern):
+        check_microbatches(cfg, devices)
+    with pytest.raises(ConfigError, match="microbatches"):
+        load_config(preset_path("dspark-tiny"), ["train.microbatches=0"])

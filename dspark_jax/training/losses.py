@@ -59,6 +59,7 @@ def drafter_loss(draft_logits, conf_logits, target_logits, labels, eval_mask, cf
         metrics["loss_confidence"] = conf_loss
     metrics.update(acceptance_metrics(c_star, eval_mask, conf_logits))
     metrics["loss"] = loss
+    metrics["loss_weight"] = terms["den"]  # what the loss is normalised by (micro-batches sum it)
     return loss, metrics
 
 

@@ -23,6 +23,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dspark_jax.config import Config, TargetConfig
+from dspark_jax.errors import ConfigError
 from dspark_jax.models import eagle3
 from dspark_jax.models.drafter import cast_compute, drafter_spec, train_forward
 from dspark_jax.models.target import TargetOutput, forward, lm_head, param_dtype
@@ -121,8 +122,11 @@ def eagle3_loss_fn(dparams, target_params, batch, cfg: Config, rows: NamedShardi
     hidden = eagle3.ttt_hidden(dparams, target_params, tcfg, ecfg, ids, attention_mask, out.taps)
     dp = cast_compute(dparams, ecfg)
     position_mask = ttt_position_mask(batch["loss_mask"], attention_mask, ecfg.ttt_length)
-    return eagle3_train_loss(lambda h: eagle3.draft_logits(dp, target_params, tcfg, h), hidden,
-                             target_logits, position_mask, ecfg.step_loss_decay, cfg.train.max_length)
+    loss, metrics = eagle3_train_loss(lambda h: eagle3.draft_logits(dp, target_params, tcfg, h),
+                                      hidden, target_logits, position_mask, ecfg.step_loss_decay,
+                                      cfg.train.max_length)
+    metrics["loss_weight"] = metrics["step_den"][0]  # every step's loss is divided by B x max_length
+    return loss, metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,13 +162,43 @@ def loss_fn(dparams, target_params, batch, cfg: Config, rows: NamedSharding | No
 
 def make_train_step(cfg: Config, optimizer, state_sharding=None
                     ) -> Callable[[TrainState, Any, dict], tuple[TrainState, dict]]:
-    """jit(step)(state, target_params, batch) -> (state, metrics); the state is donated."""
+    """jit(step)(state, target_params, batch) -> (state, metrics); the state is donated.
+
+    With `train.microbatches` M > 1 the batch is split into M micro-batches run one after another
+    (a scan: the activations of one micro-batch at a time) and their gradients summed, each weighed
+    by its share of the loss's denominator (`loss_weight`), so that the update is the one-batch
+    update up to float rounding: a DSpark loss is normalised by the position weights of the whole
+    batch, not averaged over micro-batches. The metrics are combined with the same weights (the loss
+    terms exactly; ratios such as the acceptance rates weighed by the loss weights)."""
     shardings = [s for s in jax.tree.leaves(state_sharding) if isinstance(s, NamedSharding)]
-    rows = batch_sharding(shardings[0].mesh) if shardings else None
+    mesh = shardings[0].mesh if shardings else None
+    rows = batch_sharding(mesh) if mesh is not None else None
+    M = cfg.train.microbatches
+    grad_fn = jax.grad(loss_fn, has_aux=True)
+
+    def gradients(params, target_params, batch):
+        if M == 1:
+            grads, metrics = grad_fn(params, target_params, batch, cfg, rows)
+            metrics.pop("loss_weight")
+            return grads, metrics
+        micro = jax.tree.map(lambda x: split_microbatches(x, M, mesh), batch)
+
+        def one(acc, mb):
+            grads, metrics = grad_fn(params, target_params, mb, cfg, rows)
+            w = metrics.pop("loss_weight")
+            return jax.tree.map(lambda a, x: a + w * x, acc, (grads, metrics, jnp.ones(()))), None
+
+        first = jax.tree.map(lambda x: x[0], micro)
+        _, shapes = jax.eval_shape(lambda mb: grad_fn(params, target_params, mb, cfg, rows), first)
+        shapes.pop("loss_weight")
+        zeros = (jax.tree.map(jnp.zeros_like, params),
+                 jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), jnp.zeros(()))
+        (grads, metrics, total), _ = jax.lax.scan(one, zeros, micro)
+        scale = 1.0 / jnp.maximum(total, 1e-6)
+        return jax.tree.map(lambda x: x * scale, (grads, metrics))
 
     def step(state: TrainState, target_params, batch):
-        grad_fn = jax.grad(loss_fn, has_aux=True)
-        grads, metrics = grad_fn(state.params, target_params, batch, cfg, rows)
+        grads, metrics = gradients(state.params, target_params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics["grad_norm"] = optax.tree.norm(grads)
@@ -172,6 +206,29 @@ def make_train_step(cfg: Config, optimizer, state_sharding=None
 
     out_shardings = None if state_sharding is None else (state_sharding, None)
     return jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
+
+
+def split_microbatches(x: jax.Array, m: int, mesh: Mesh | None = None) -> jax.Array:
+    """[B, ...] -> [m, B/m, ...]: micro-batch i holds the rows b with b % m == i, so that each
+    device's rows of every micro-batch are rows it already holds (no data moves) when the batch is
+    split over the batch axes in contiguous blocks of a multiple of m rows."""
+    B = x.shape[0]
+    out = x.reshape(B // m, m, *x.shape[1:]).swapaxes(0, 1)
+    if mesh is None:
+        return out
+    return jax.lax.with_sharding_constraint(out, NamedSharding(mesh, PartitionSpec(None, BATCH_AXES)))
+
+
+def check_microbatches(cfg: Config, batch_devices: int) -> None:
+    """`train.microbatches` must split the global batch into equal micro-batches that still cover
+    every device of the batch axes (data x fsdp)."""
+    m, g = cfg.train.microbatches, cfg.train.global_batch_size
+    if g % m:
+        raise ConfigError(f"train.microbatches {m}: must divide train.global_batch_size {g}")
+    if (g // m) % batch_devices:
+        raise ConfigError(f"train.microbatches {m}: a micro-batch of {g // m} sequences does not "
+                          f"split over the {batch_devices} devices of the batch axes (mesh.data x "
+                          f"mesh.fsdp); use a divisor of {g // batch_devices}")
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

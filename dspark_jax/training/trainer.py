@@ -28,7 +28,9 @@ from dspark_jax.sharding import describe_mesh, make_mesh
 from dspark_jax.training.data import BatchIterator, make_global_batch
 from dspark_jax.training.token_cache import TokenizedCache, open_training_data
 from dspark_jax.training.train_step import (
+    BATCH_AXES,
     TrainState,
+    check_microbatches,
     describe_params,
     drafter_kind,
     drafter_params_spec,
@@ -106,6 +108,7 @@ def setup(cfg: Config) -> Setup:
     kind = (f"tokenized cache, {records.num_shards} shards" if isinstance(records, TokenizedCache)
             else "JSONL")
     mesh = make_mesh(cfg.mesh)
+    check_microbatches(cfg, math.prod(mesh.shape[a] for a in BATCH_AXES))
     cfg, target_params = load_target_for(cfg, mesh)
     total = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * iterator.steps_per_epoch))
     return Setup(cfg=cfg, mesh=mesh, target_params=target_params, iterator=iterator,
