@@ -405,3 +405,26 @@ def test_async_measures_the_overhead_between_dispatches():
     now[0] += 1000.0
     policy.dispatch([0], lambda: [4])  # the first of a run: nothing to measure yet
     assert policy.overhead == before
+
+
+def test_async_charges_each_round_its_own_wall_time():
+    """With one round in flight, the host dispatches round t+1 and then waits for round t before it
+    dispatches t+2 (`Engine.generate`): dispatch(t) = finish(t - 2). Rounds with a proposal that
+    really take 2.5 s where the profile says 1 s, between plain rounds that take the profiled 1 s:
+    the overhead is the proposal's (1.5 s) and none of it is the plain rounds'. Charging the gap
+    to the round just dispatched would swap the two (sparse proposals would look free)."""
+    from dspark_jax.decoding import policies
+
+    rng = np.random.default_rng(0)
+    kinds = ["spec" if k else "plain" for k in rng.random(400) < 0.2]
+    took = {"spec": 2.5, "plain": 1.0}
+    finish = np.cumsum([took[k] for k in kinds])
+    policy = policies.AsyncPolicy(_cadence_engine(1.0, []))
+    now = [0.0]
+    policy.clock = lambda: now[0]
+    policy.starting()
+    for t, kind in enumerate(kinds):
+        now[0] = finish[t - 2] if t >= 2 else 0.0
+        policy._time_round(1.0, kind)
+    assert policy.overhead["spec"] == pytest.approx(1.5, rel=1e-3)
+    assert policy.overhead["plain"] == pytest.approx(0.0, abs=1e-9)

@@ -107,11 +107,14 @@ class AsyncPolicy(Policy):
 
     The profile times rounds alone; a running engine also pays, between rounds, the prefills of
     the requests it admits and its host loop. That overhead is measured as it runs, per kind of
-    round (with and without a proposal): the time between consecutive dispatches (one round in
-    flight, so one round's wall time) minus the profiled time of the round dispatched, clipped to
-    [0, OVERHEAD_CAP x that time] (an idle gap is not a cost of the round) and averaged with weight
-    OVERHEAD_DECAY per round of the kind; the search adds it to that kind's buckets. A kind not yet
-    run keeps the profile's word.
+    round (with and without a proposal). With one round in flight the host dispatches round t+1,
+    then waits for round t to finish before it dispatches t+2: the time between those two
+    dispatches is round t's wall time (not t+1's: attributing it to the round just dispatched
+    charges a proposal's cost to the plain round after it, and the other way round, which makes
+    sparse proposals look free). That time minus round t's profiled time, clipped to
+    [0, OVERHEAD_CAP x that time] (an idle gap is not a cost of the round), is averaged with
+    weight OVERHEAD_DECAY per round of the kind; the search adds it to that kind's buckets. A kind
+    not yet run keeps the profile's word.
 
     In a job of several processes each measures its own clock, so every decision is process 0's,
     broadcast to the others (one small collective per decision, not per round); everything else
@@ -142,7 +145,7 @@ class AsyncPolicy(Policy):
         self.clock = time.perf_counter
         # measured seconds per round beyond the profile, per kind (see the docstring)
         self.overhead = {"spec": 0.0, "plain": 0.0}
-        self.dispatched = None  # (clock, profiled seconds, kind) of the last dispatch
+        self.dispatched = []  # (clock, profiled seconds, kind) of the last two dispatches
 
     def programs(self):
         return super().programs() + [("topk", F) for F in self.engine.spec_buckets] + [("flush",)]
@@ -176,17 +179,18 @@ class AsyncPolicy(Policy):
             distributed.from_lead([0, 0])  # compiles the broadcast `_decide` uses
 
     def starting(self):
-        self.dispatched = None
+        self.dispatched = []
 
     def _time_round(self, profiled: float, kind: str) -> None:
-        """Folds the wall time since the last dispatch into the overhead of that round's kind."""
+        """Folds the wall time since the last dispatch into the overhead of the round dispatched
+        before that one (the round the host waited for in between; see the docstring)."""
         now = self.clock()
-        if self.dispatched is not None:
-            then, expected, last = self.dispatched
+        if len(self.dispatched) == 2:
+            (_, expected, waited), (then, _, _) = self.dispatched
             extra = min(max(now - then - expected, 0.0), self.OVERHEAD_CAP * expected)
-            self.overhead[last] = (self.OVERHEAD_DECAY * self.overhead[last]
-                                   + (1 - self.OVERHEAD_DECAY) * extra)
-        self.dispatched = (now, profiled, kind)
+            self.overhead[waited] = (self.OVERHEAD_DECAY * self.overhead[waited]
+                                     + (1 - self.OVERHEAD_DECAY) * extra)
+        self.dispatched = [*self.dispatched[-1:], (now, profiled, kind)]
 
     def _decide(self, live, rooms) -> None:
         probe = self.since_spec >= self.probe_every
