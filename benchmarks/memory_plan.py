@@ -144,9 +144,9 @@ def advice(row: dict, hbm_bytes: float) -> str:
         return ""
     resident = row["arguments"] + row["outputs"] - row["aliased"]
     if row["kind"] == "train":
-        if resident > row["temporaries"]:
-            return "mesh.fsdp, mesh.tensor (weights, Adam state)"
         n = row.get("sequences_per_device", 0)
+        if resident > row["temporaries"] or n <= 1:  # nothing left to split by micro-batches
+            return "mesh.fsdp, mesh.tensor (weights, Adam state, gradients); drafter.num_anchors, train.max_length"
         return (f"train.microbatches ({n} seq/device at a time), drafter.num_anchors, "
                 "train.max_length")
     if row["program"].startswith("prefill"):
