@@ -107,7 +107,12 @@ def test_table_says_what_does_not_fit_and_what_fixes_it(memory_plan):
     text = memory_plan.table(rows, memory_plan.parse_hbm("H100=80,H200=141"))
     lines = text.splitlines()
     assert lines[0].startswith("| what | devices |") and "fits H100 80 GiB" in lines[0]
-    assert "train.global_batch_size (64 seq/device" in lines[2]
+    assert "train.microbatches (64 seq/device at a time)" in lines[2]
     assert "| no | no |" in lines[2]
+    # at one sequence per device at a time, micro-batches cannot help: the replicated state must go
+    one = dict(rows[0], sequences_per_device=1, layout="train.microbatches={per}", microbatches=64)
+    line = memory_plan.table([one], memory_plan.parse_hbm("H100=80")).splitlines()[2]
+    assert line.startswith("| train step (train.microbatches=64; 1 seq/device at a time) |"), line
+    assert "mesh.fsdp, mesh.tensor" in line and "train.microbatches (" not in line, line
     assert "--tensor-parallel" in lines[3] and "| no | yes |" in lines[3]
     assert lines[4].endswith("| yes | yes | - | 0 |")
