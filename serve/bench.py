@@ -5,7 +5,8 @@ plain decoding, fixed verification lengths and the load-aware schedulers (the pa
 
     python -m serve.bench concurrency [--target DIR --drafter DIR] [--prompts FILE ...] --out DIR
         [--levels 1,2,4,8,16,32] [--temperatures 0,1] [--schedulers plain,fixed1,fixed,greedy,async]
-        [--max-new-tokens 128] [--requests-per-slot 8] [--repeats 3] [--ignore-eos] [--max-len 0]
+        [--max-new-tokens 128] [--requests-per-slot 8] [--min-requests 32] [--repeats 3]
+        [--ignore-eos] [--max-len 0]
         [--prefill-buckets ...] [--sts FILE|none] [--limit N] [--seed 0] [--no-compile-cache]
 
 Without --target and --drafter: the bundled pair (tiny, tiny-dspark) and its held-out prompts of the
@@ -16,8 +17,10 @@ concurrency c (the engine's slot count R) and scheduler one engine is built and 
 program compiles; greedy and async load their SPS profile from the user's cache directory, or
 measure and cache it), one untimed pass decodes c requests of 8 tokens, then for each temperature a
 timed run decodes c x --requests-per-slot requests whose prompts cycle through the prompt files
-taken in turn (one of each file, then the next of each: every level sees the domains mixed alike);
-a finished request's slot is refilled from the queue at once, so all slots stay full until it
+taken in turn (one of each file, then the next of each: every level sees the domains mixed alike),
+and at least --min-requests of them (a run of 1 slot x 4 requests lasts under a second here: the
+warm-up of the load-aware schedulers and the machine's jitter would be most of it); a finished
+request's slot is refilled from the queue at once, so all slots stay full until it
 drains. Requests stop at the tokenizer's stop tokens (--ignore-eos: every request runs to
 --max-new-tokens, as serving benchmarks' flag of that name). The engines of one level are built
 first and their timed runs interleaved, --repeats times, the median kept: this machine's speed
@@ -88,6 +91,8 @@ def parse_args(argv):
     c.add_argument("--max-new-tokens", type=int, default=128, help="every request's budget")
     c.add_argument("--requests-per-slot", type=int, default=8,
                    help="timed requests = c x this (>= 2: the queue must outlast the first wave)")
+    c.add_argument("--min-requests", type=int, default=32,
+                   help="timed requests at least (low concurrencies: runs long enough to measure)")
     c.add_argument("--repeats", type=int, default=3, help="timed runs per cell (median kept)")
     c.add_argument("--ignore-eos", action="store_true", help="decode every request to its budget")
     c.add_argument("--sts", default="", help="calibration temperatures (sts.json); default: the "
@@ -120,6 +125,8 @@ def parse_args(argv):
         problems.append(f"--repeats {args.repeats}: must be >= 1")
     if args.requests_per_slot < 2:
         problems.append(f"--requests-per-slot {args.requests_per_slot}: must be >= 2")
+    if args.min_requests < 0:
+        problems.append(f"--min-requests {args.min_requests}: must be >= 0")
     if Path(args.out).exists() and not Path(args.out).is_dir():
         problems.append(f"--out {args.out}: is a file; expected a directory")
     args.slots = max(args.levels)
@@ -209,6 +216,7 @@ def concurrency(args, command: str) -> dict:
               "drafter": str(Path(args.drafter).resolve()) if dcfg else "none",
               "block_size": dcfg.proposal_length if dcfg else None, "max_len": max_len,
               "max_new_tokens": args.max_new_tokens, "requests_per_slot": args.requests_per_slot,
+              "min_requests": args.min_requests,
               "repeats": args.repeats, "ignore_eos": args.ignore_eos,
               "prompt_files": args.prompts, "prompt_order": PROMPT_ORDER, "prompts": len(prompts),
               "bad_records": bad, "levels": args.levels,
@@ -224,7 +232,8 @@ def concurrency(args, command: str) -> dict:
                   file=sys.stderr, flush=True)
         for temp in args.temperatures:
             runs = {name: [] for name in engines}
-            requests = batch(c * args.requests_per_slot, temp, args.max_new_tokens, f"c{c}-t{temp:g}")
+            requests = batch(max(c * args.requests_per_slot, args.min_requests), temp,
+                             args.max_new_tokens, f"c{c}-t{temp:g}")
             outputs = {name: {} for name in engines}  # first run's tokens, compared at T = 0
             for repeat in range(args.repeats):
                 for name, engine in engines.items():
@@ -278,7 +287,8 @@ def markdown(report: dict) -> str:
     setup = (f"{report['device']['kind']} x{report['device']['count']}, at most "
              f"{report['max_new_tokens']} new tokens per request "
              f"({'stop tokens ignored' if report['ignore_eos'] else 'ending at stop tokens'}), "
-             f"{report['requests_per_slot']} requests per slot, median of {report['repeats']} runs")
+             f"{report['requests_per_slot']} requests per slot (at least "
+             f"{report.get('min_requests', 0)}), median of {report['repeats']} runs")
     lines = [f"`{report['command']}`", "", setup, ""]
     for title, key, cols in (("Output tokens/s at full load", "full_load_tokens_per_s", extra),
                              ("Tokens/s per user", "tokens_per_s_per_request", [])):

@@ -3,7 +3,8 @@ BENCHMARKS.md with its figures.
 
     python -m serve.bench reproduce [--out BENCHMARKS.md] [--figures benchmarks/figures]
         [--work runs/reproduce] [--levels 1,2,4,8,16] [--fresh] [--thresholds 0.1,0.3,0.5,0.7,0.9]
-        [--max-new-tokens 96] [--max-len 512] [--repeats 3] [--requests-per-slot 3] [--slots 16]
+        [--max-new-tokens 96] [--max-len 512] [--repeats 3] [--requests-per-slot 3]
+        [--min-requests 32] [--slots 16]
         [--dflash-b15 DIR] [--eagle3 DIR] [--train-steps 800] [--no-compile-cache]
 
 Models: the bundled target `tiny` and drafters `tiny-dspark`, `tiny-dflash` (block 7) and
@@ -68,6 +69,8 @@ def add_parser(sub) -> None:
     r.add_argument("--max-len", type=int, default=512, help="context positions per slot")
     r.add_argument("--repeats", type=int, default=3, help="timed runs per concurrency cell")
     r.add_argument("--requests-per-slot", type=int, default=3)
+    r.add_argument("--min-requests", type=int, default=32, help="timed requests per concurrency "
+                   "cell at least")
     r.add_argument("--slots", type=int, default=16, help="slots of the acceptance/threshold runs")
     r.add_argument("--limit", type=int, default=0, help="at most this many prompts per domain")
     r.add_argument("--dflash-b15", default="", help="a trained block-15 DFlash drafter to use")
@@ -100,6 +103,8 @@ def check_args(args) -> list[str]:
             problems.append(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
     if args.requests_per_slot < 2:
         problems.append(f"--requests-per-slot {args.requests_per_slot}: must be >= 2")
+    if args.min_requests < 0:
+        problems.append(f"--min-requests {args.min_requests}: must be >= 0")
     for flag, path in given_drafters(args).items():
         if path and not Path(path).is_dir():
             problems.append(f"--{flag} {path}: not a directory")
@@ -506,7 +511,8 @@ def reusable(path: Path, cargs) -> dict | None:
         return None
     saved = json.loads(path.read_text())
     wanted = {"max_new_tokens": cargs.max_new_tokens, "repeats": cargs.repeats,
-              "requests_per_slot": cargs.requests_per_slot, "temperatures": cargs.temperatures,
+              "requests_per_slot": cargs.requests_per_slot, "min_requests": cargs.min_requests,
+              "temperatures": cargs.temperatures,
               "schedulers": cargs.schedulers, "max_len": cargs.max_len,
               "drafter": str(Path(cargs.drafter).resolve()), "ignore_eos": cargs.ignore_eos,
               "prompt_order": bench.PROMPT_ORDER}
@@ -572,7 +578,8 @@ def main(args, argv: list[str]) -> int:
             bargs = ["concurrency", "--drafter", drafters["dspark-b7"], "--out", str(work / "concurrency"),
                      "--levels", args.levels, "--temperatures", "0,1", "--max-len", str(args.max_len),
                      "--max-new-tokens", str(args.max_new_tokens), "--repeats", str(args.repeats),
-                     "--requests-per-slot", str(args.requests_per_slot), "--seed", str(args.seed)]
+                     "--requests-per-slot", str(args.requests_per_slot),
+                     "--min-requests", str(args.min_requests), "--seed", str(args.seed)]
             if args.limit:
                 bargs += ["--limit", str(args.limit)]
             if args.no_compile_cache:

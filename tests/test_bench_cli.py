@@ -43,7 +43,8 @@ def test_concurrency_sweep_writes_its_report(tiny_pair, prompt_file, tmp_path):
     proc = bench_cli("concurrency", "--target", target, "--drafter", drafter, "--prompts", prompt_file,
                      "--out", out, "--levels", ",".join(map(str, LEVELS)), "--temperatures", "0",
                      "--schedulers", ",".join(SCHEDULERS), "--max-new-tokens", "8",
-                     "--requests-per-slot", "2", "--repeats", "1", "--ignore-eos", "--max-len", MAX_LEN,
+                     "--requests-per-slot", "2", "--min-requests", "3", "--repeats", "1", "--ignore-eos",
+                     "--max-len", MAX_LEN,
                      "--prefill-buckets", MAX_LEN)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for name in ("concurrency.json", "concurrency.md", "throughput.png", "pareto.png"):
@@ -56,7 +57,7 @@ def test_concurrency_sweep_writes_its_report(tiny_pair, prompt_file, tmp_path):
     assert sorted((r["level"], r["scheduler"]) for r in rows) == \
         sorted((c, s) for c in LEVELS for s in SCHEDULERS)
     for r in rows:
-        assert r["temperature"] == 0 and r["requests"] == 2 * r["level"]
+        assert r["temperature"] == 0 and r["requests"] == max(2 * r["level"], 3)  # --min-requests
         assert r["output_tokens_per_s"] > 0 and r["tokens_per_s_per_request"] > 0
         assert r["full_load_tokens_per_s"] > 0
         assert r["compilations_after_warmup"] == 0
@@ -94,6 +95,7 @@ def test_concurrency_sweep_writes_its_report(tiny_pair, prompt_file, tmp_path):
     (["--temperatures", "-1"], "--temperatures '-1': expected numbers >= 0"),
     (["--schedulers", "plain,bogus"], "--schedulers: unknown bogus; expected some of plain, fixed1"),
     (["--requests-per-slot", "1"], "--requests-per-slot 1: must be >= 2"),
+    (["--min-requests", "-1"], "--min-requests -1: must be >= 0"),
     (["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
     (["--drafter", "none"], "--drafter none: without a drafter only --schedulers plain can run"),
     ([], "--out {out}: is a file; expected a directory"),
@@ -127,6 +129,7 @@ def test_missing_prompt_file(tmp_path):
     (["--models", "dspark-b7,eagle"], "--models: unknown eagle; expected some of dspark-b7"),
     (["--thresholds", "0.5,2"], "--thresholds '0.5,2': expected numbers in [0, 1]"),
     (["--requests-per-slot", "1"], "--requests-per-slot 1: must be >= 2"),
+    (["--min-requests", "-2"], "--min-requests -2: must be >= 0"),
     (["--eagle3", "{tmp}/nowhere"], "--eagle3 {tmp}/nowhere: not a directory"),
     (["--out", "{tmp}/no/BENCHMARKS.md"], "--out {tmp}/no/BENCHMARKS.md: directory {tmp}/no does not exist"),
 ])

@@ -96,7 +96,8 @@ def test_a_saved_sweep_is_reused_only_for_the_same_settings(tmp_path):
 
     saved = cargs("--levels", "1,16")
     rows = [_conc_row(c, 0.0, s, 100.0) for c in (1, 16) for s in ("plain", "async")]
-    report = {"max_new_tokens": 96, "repeats": 3, "requests_per_slot": 3, "temperatures": [0.0],
+    report = {"max_new_tokens": 96, "repeats": 3, "requests_per_slot": 3, "min_requests": 32,
+              "temperatures": [0.0],
               "schedulers": saved.schedulers, "max_len": 512, "drafter": saved.drafter,
               "ignore_eos": False, "prompt_order": bench.PROMPT_ORDER, "levels": [1, 16], "rows": rows,
               "ratios": [{"level": c, "temperature": 0.0} for c in (1, 16)]}
@@ -108,5 +109,6 @@ def test_a_saved_sweep_is_reused_only_for_the_same_settings(tmp_path):
     assert reproduce.reusable(path, cargs("--levels", "1,16,32")) is None  # a level not measured
     assert reproduce.reusable(path, cargs("--levels", "1", "--repeats", "2")) is None
     assert reproduce.reusable(path, cargs("--levels", "1", "--ignore-eos")) is None
+    assert reproduce.reusable(path, cargs("--levels", "1", "--min-requests", "8")) is None
     path.write_text(json.dumps({**report, "prompt_order": "file order"}))  # an older sweep's
     assert reproduce.reusable(path, cargs("--levels", "1")) is None

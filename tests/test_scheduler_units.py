@@ -428,3 +428,26 @@ def test_async_charges_each_round_its_own_wall_time():
         policy._time_round(1.0, kind)
     assert policy.overhead["spec"] == pytest.approx(1.5, rel=1e-3)
     assert policy.overhead["plain"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_async_overhead_counts_its_first_measurement_whole():
+    """Plain rounds that take 0.3 s more than profiled, then one proposal that takes 1.5 s more:
+    before any proposal has run, the search prices proposals at the plain rounds' 0.3 s; right
+    after the one proposal, at its own 1.5 s (an average started at 0 would say 0.15 s, and the
+    rare proposals of a plain-heavy load would look nearly free)."""
+    from dspark_jax.decoding import policies
+
+    kinds = ["plain"] * 12 + ["spec"] + ["plain"] * 3
+    took = {"spec": 2.5, "plain": 1.3}
+    finish = np.cumsum([took[k] for k in kinds])
+    policy = policies.AsyncPolicy(_cadence_engine(1.0, []))
+    now = [0.0]
+    policy.clock = lambda: now[0]
+    policy.starting()
+    assert policy.overheads() == {"spec": 0.0, "plain": 0.0}  # nothing measured: the profile's word
+    for t, kind in enumerate(kinds):
+        now[0] = finish[t - 2] if t >= 2 else 0.0
+        policy._time_round(1.0, kind)
+        if t == 12:  # the proposal dispatched, not yet measured
+            assert policy.overheads() == pytest.approx({"spec": 0.3, "plain": 0.3}, rel=1e-6)
+    assert policy.overheads() == pytest.approx({"spec": 1.5, "plain": 0.3}, rel=1e-6)

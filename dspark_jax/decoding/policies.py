@@ -113,8 +113,12 @@ class AsyncPolicy(Policy):
     charges a proposal's cost to the plain round after it, and the other way round, which makes
     sparse proposals look free). That time minus round t's profiled time, clipped to
     [0, OVERHEAD_CAP x that time] (an idle gap is not a cost of the round), is averaged with
-    weight OVERHEAD_DECAY per round of the kind; the search adds it to that kind's buckets. A kind
-    not yet run keeps the profile's word.
+    weight OVERHEAD_DECAY per round of the kind, bias-corrected (the weights' sum divides, so the
+    first measurement counts whole: an average started at 0 would take the rare proposals of a
+    plain-heavy load for free for dozens of rounds); the search adds it to that kind's buckets. A
+    kind not yet run borrows the other kind's figure (what the host and the prefills between rounds
+    cost is much the same whichever round runs), and before either has run the profile's word
+    stands.
 
     In a job of several processes each measures its own clock, so every decision is process 0's,
     broadcast to the others (one small collective per decision, not per round); everything else
@@ -143,8 +147,10 @@ class AsyncPolicy(Policy):
         self.table = None  # (profile, BucketTable of the compiled buckets)
         self.pending = []  # round outputs read since the last decision
         self.clock = time.perf_counter
-        # measured seconds per round beyond the profile, per kind (see the docstring)
+        # measured seconds per round beyond the profile, per kind (see the docstring), and the
+        # sum of the weights behind each (0: not measured yet)
         self.overhead = {"spec": 0.0, "plain": 0.0}
+        self.overhead_weight = {"spec": 0.0, "plain": 0.0}
         self.dispatched = []  # (clock, profiled seconds, kind) of the last two dispatches
 
     def programs(self):
@@ -188,8 +194,10 @@ class AsyncPolicy(Policy):
         if len(self.dispatched) == 2:
             (_, expected, waited), (then, _, _) = self.dispatched
             extra = min(max(now - then - expected, 0.0), self.OVERHEAD_CAP * expected)
-            self.overhead[waited] = (self.OVERHEAD_DECAY * self.overhead[waited]
-                                     + (1 - self.OVERHEAD_DECAY) * extra)
+            kept = self.OVERHEAD_DECAY * self.overhead_weight[waited]
+            self.overhead_weight[waited] = kept + (1 - self.OVERHEAD_DECAY)
+            self.overhead[waited] = ((kept * self.overhead[waited] + (1 - self.OVERHEAD_DECAY) * extra)
+                                     / self.overhead_weight[waited])
         self.dispatched = [*self.dispatched[-1:], (now, profiled, kind)]
 
     def _decide(self, live, rooms) -> None:
@@ -218,7 +226,15 @@ class AsyncPolicy(Policy):
         est[np.arange(est.shape[1]) >= np.asarray(rooms)[:, None]] = 0.0
         # A proposal at least every PROBE_EVERY rounds, so that the estimates stay current.
         return self.table[1].choose(est, len(live), plain=self.since_spec < self.probe_every,
-                                    overhead=dict(self.overhead))
+                                    overhead=self.overheads())
+
+    def overheads(self) -> dict[str, float]:
+        """The overhead the search adds per kind: the measured one, else the other kind's."""
+        out = dict(self.overhead)
+        for kind, other in (("spec", "plain"), ("plain", "spec")):
+            if not self.overhead_weight[kind]:
+                out[kind] = self.overhead[other]
+        return out
 
     def admitted(self, slot):
         self._absorb()  # rounds read so far may still describe the slot's previous request
