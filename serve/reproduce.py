@@ -355,8 +355,11 @@ def criteria(res: dict) -> list[tuple[str, str, bool | None]]:
                         f"second half's, T = 1), block {block}: more for DFlash than DSpark",
                         f"DSpark {fall[0]:.3f}, DFlash {fall[1]:.3f}", fall[1] > fall[0]))
     for name, cal in res.get("calibration", {}).items():
+        floor = cal.get("mean_ece_floor")
         out.append((f"{name}: mean ECE after STS on held-out rounds (≤ 1.5 %)",
-                    f"{100 * cal['mean_ece_before']:.2f} % → {100 * cal['mean_ece_after']:.2f} %",
+                    f"{100 * cal['mean_ece_before']:.2f} % → {100 * cal['mean_ece_after']:.2f} %"
+                    + ("" if floor is None else f" (a perfectly calibrated head would show "
+                       f"{100 * floor:.2f} % on as many rounds)"),
                     cal["mean_ece_after"] <= 0.015))
         if cal["max_auc_shift"] is not None:
             out.append((f"{name}: AUC per position unchanged by STS (within 0.005)",
@@ -464,10 +467,14 @@ def render(res: dict) -> str:
                   f"STS with a bias per position fitted on the T = 1 rounds of {cal['prompts_fit']} prompts "
                   f"({cal['rounds_fit']} rounds), measured on the {cal['rounds_eval']} rounds of "
                   f"the other {cal['prompts_eval']}.", "", f"![reliability]({fig}/reliability-{name}.png)",
-                  "", "| position | rounds | T | b | ECE before | ECE after | AUC before | AUC after |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "", "ECE floor: the ECE a perfectly calibrated head would show on these rounds "
+                  "(outcomes drawn from the calibrated survival itself, 200 draws): what so few "
+                  "rounds per position can resolve.", "",
+                  "| position | rounds | T | b | ECE before | ECE after | ECE floor | AUC before | AUC after |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for j, n in enumerate(cal["n"]):
-            cells = [cal[k][j] for k in ("ece_before", "ece_after", "auc_before", "auc")]
+            cells = [cal.get(k, [None] * len(cal["n"]))[j]
+                     for k in ("ece_before", "ece_after", "ece_floor", "auc_before", "auc")]
             bias = cal.get("biases", [0.0] * len(cal["n"]))[j]
             lines.append(f"| {j + 1} | {n} | {cal['temperatures'][j]:.3f} | {bias:+.2f} | "
                          + " | ".join("–" if c is None else f"{c:.4f}" for c in cells) + " |")

@@ -305,3 +305,19 @@ def test_reliability_diagram_writes_png(tmp_path, gamma):
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(data) > 10_000
+
+
+def test_ece_floor_is_what_a_calibrated_head_shows_on_so_many_rounds():
+    """All scores 1/2 (one bin): the floor is E|mean of n fair coins - 1/2| = sqrt(2/pi) x 1/(2 sqrt n),
+    it halves when the rounds quadruple, and certain scores (0 and 1) leave no sampling error."""
+    from dspark_jax.decoding.calibration import ece_floor
+
+    for n in (100, 400, 1600):
+        expected = math.sqrt(2 / math.pi) * 0.5 / math.sqrt(n)
+        assert ece_floor(np.full(n, 0.5), draws=2000) == pytest.approx(expected, rel=0.05)
+    assert ece_floor(np.array([0.0, 1.0, 1.0, 0.0])) == 0.0
+    # A head calibrated by construction measures about its floor, not zero.
+    rng = np.random.default_rng(3)
+    s = rng.uniform(0.05, 0.95, 900)
+    measured = np.mean([ece(s, rng.random(900) < s) for _ in range(300)])
+    assert measured == pytest.approx(ece_floor(s, draws=300), rel=0.1)

@@ -382,6 +382,15 @@ def test_choose_bucket_overhead_lowers_the_price_of_verifying_more():
     assert table.choose(est, 1, overhead={"spec": 4.0}) == ("plain", 1)  # 1 / 1 beats 3 / 8
 
 
+def test_choose_bucket_margin_keeps_plain_near_break_even():
+    """A proposal promising 4 % more tokens/s than the plain round loses to it under a 5 % margin;
+    one promising 10 % more wins."""
+    table = BucketTable({2: 1.0}, {1: 1.0})
+    assert table.choose(np.full((1, 1), 0.04), 1) == ("spec", 2)
+    assert table.choose(np.full((1, 1), 0.04), 1, margin=0.05) == ("plain", 1)
+    assert table.choose(np.full((1, 1), 0.10), 1, margin=0.05) == ("spec", 2)
+
+
 def test_async_measures_the_overhead_between_dispatches():
     """The async policy's overhead: the wall time between dispatches beyond the profiled round,
     averaged per kind of round; idle gaps are clipped and a new generate call does not count the

@@ -12,7 +12,8 @@ bias per position, `sts` the paper's temperatures alone (see dspark_jax/decoding
 for why). Writes into --out (default: the drafter's directory):
   sts.json          temperatures and biases, which serve.decode applies from the drafter directory
   calibration.json  per position on the held-out rounds: ece_before, ece_after, auc, brier (and
-                    their before-STS values), with mean_ece_after
+                    their before-STS values), with mean_ece_after; ece_floor, the ECE a perfectly
+                    calibrated head would show on as many rounds
   reliability.png   reliability diagrams before and after, per position
 """
 
@@ -120,14 +121,15 @@ def main(argv=None) -> int:
                                     biases=biases,
                                     bins=args.bins, title=f"{args.drafter}: held-out rounds")
     print(f"{'j':>2} {'n':>7} {'T':>6} {'b':>6} {'accept':>6} {'ece before':>10} {'ece after':>9} "
-          f"{'auc before':>10} {'auc after':>9} {'brier':>6}")
+          f"{'ece floor':>9} {'auc before':>10} {'auc after':>9} {'brier':>6}")
     for j in range(len(temps)):
-        cells = [report[key][j] for key in ("accept_rate", "ece_before", "ece_after", "auc_before",
-                                            "auc", "brier")]
+        cells = [report[key][j] for key in ("accept_rate", "ece_before", "ece_after", "ece_floor",
+                                            "auc_before", "auc", "brier")]
         text = " ".join("     -" if c is None else f"{c:>{w}.4f}"
-                        for c, w in zip(cells, (6, 10, 9, 10, 9, 6)))
+                        for c, w in zip(cells, (6, 10, 9, 9, 10, 9, 6)))
         print(f"{j + 1:>2} {report['n'][j]:>7} {temps[j]:>6.3f} {biases[j]:>+6.2f} {text}")
-    print(f"mean ECE before {report['mean_ece_before']:.4f}, after {report['mean_ece_after']:.4f} "
+    print(f"mean ECE before {report['mean_ece_before']:.4f}, after {report['mean_ece_after']:.4f}, "
+          f"floor {report['mean_ece_floor']:.4f} (a perfectly calibrated head on as many rounds) "
           f"({len(z_eval)} held-out rounds from {held} prompts; fitted on {z_fit} rounds)")
     print(f"wrote {out_dir / 'sts.json'}, {out_dir / 'calibration.json'}, {out_dir / 'reliability.png'}")
     return 0

@@ -89,6 +89,23 @@ def ece(scores, outcomes, bins: int = 10) -> float:
     return float(_ece_rows(s[None], o, bins)[0])
 
 
+def ece_floor(scores, bins: int = 10, draws: int = 200, seed: int = 0) -> float:
+    """The ECE a perfectly calibrated head would show on these rounds: the mean ECE of `scores`
+    against outcomes drawn from them (round i survives with probability s_i), over `draws` draws.
+
+    Each bin's observed rate is a sample of its few rounds, so the ECE measured on n rounds of even
+    a perfect head is about sqrt(2 / pi) x the sampling spread of those rates (of the order of
+    sqrt(bins / n) / 2 for scores near 1/2): an ECE close to this floor is as calibrated as n rounds
+    can tell apart."""
+    s = np.clip(np.asarray(scores, np.float64).ravel(), 0.0, 1.0)
+    if s.size == 0:
+        raise ValueError("no scores: calibration metrics need at least one observation")
+    o = (np.random.default_rng(seed).random((draws, s.size)) < s).astype(np.float64)
+    flat = (_bin_index(s, bins)[None] + bins * np.arange(draws)[:, None]).ravel()
+    gap = np.bincount(flat, weights=(s[None] - o).ravel(), minlength=draws * bins)
+    return float(np.abs(gap.reshape(draws, bins)).sum(axis=1).mean() / s.size)
+
+
 def auc(scores, outcomes) -> float:
     """ROC AUC with ties counted half (Mann-Whitney U / (n_pos n_neg)); nan if a class is absent."""
     s, o = _as_pair(scores, outcomes)
@@ -244,8 +261,8 @@ def position_report(z, verified, accepted, temperatures, bins: int = 10, biases=
                                                                biases)
     gamma = z.shape[1]
     before, after = survival(z, np.ones(gamma)), survival(z, temperatures, biases)
-    keys = ("n", "ece_before", "ece_after", "auc_before", "auc", "brier_before", "brier",
-            "accept_rate")
+    keys = ("n", "ece_before", "ece_after", "ece_floor", "auc_before", "auc", "brier_before",
+            "brier", "accept_rate")
     report: dict = {key: [] for key in keys}
 
     def defined(x: float):
@@ -262,13 +279,14 @@ def position_report(z, verified, accepted, temperatures, bins: int = 10, biases=
         o, b, a = outcome[rows, j], before[rows, j], after[rows, j]
         report["ece_before"].append(ece(b, o, bins))
         report["ece_after"].append(ece(a, o, bins))
+        report["ece_floor"].append(ece_floor(a, bins))
         report["auc_before"].append(defined(auc(b, o)))
         report["auc"].append(defined(auc(a, o)))
         report["brier_before"].append(brier(b, o))
         report["brier"].append(brier(a, o))
         report["accept_rate"].append(float(o.mean()))
     seen = [j for j in range(gamma) if report["n"][j]]
-    for when in ("before", "after"):
+    for when in ("before", "after", "floor"):
         values = [report[f"ece_{when}"][j] for j in seen]
         report[f"mean_ece_{when}"] = float(np.mean(values)) if values else None
     return report

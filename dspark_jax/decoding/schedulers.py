@@ -178,9 +178,10 @@ class BucketTable:
         self.plain_s = np.asarray([plain_seconds[F] for F in self.plain_F], np.float64)
 
     def choose(self, estimates: np.ndarray, num_live: int, plain: bool = True,
-               overhead: dict[str, float] | None = None) -> tuple[str, int]:
+               overhead: dict[str, float] | None = None, margin: float = 0.0) -> tuple[str, int]:
         """`overhead` {"spec": s, "plain": s}: seconds a round of that kind costs beyond its
-        profiled time (prefills between rounds, the host), added to each of its buckets."""
+        profiled time (prefills between rounds, the host), added to each of its buckets. `margin`:
+        a proposal must promise (1 + margin) x the plain round's tokens per second to be chosen."""
         overhead = overhead or {}
         extra_spec, extra_plain = overhead.get("spec", 0.0), overhead.get("plain", 0.0)
         pool = -np.sort(-np.clip(np.ravel(estimates), 0.0, 1.0))
@@ -194,6 +195,6 @@ class BucketTable:
             best = ("spec", int(F[i]), float(theta[i]))
         if plain and len(self.plain_F):
             i = int(np.searchsorted(self.plain_F, num_live))
-            if num_live / (self.plain_s[i] + extra_plain) >= best[2]:
+            if (1.0 + margin) * num_live / (self.plain_s[i] + extra_plain) >= best[2]:
                 return "plain", int(self.plain_F[i])
         return best[0], best[1]
