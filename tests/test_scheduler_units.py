@@ -416,17 +416,12 @@ def test_async_measures_the_overhead_between_dispatches():
     assert policy.overhead == before
 
 
-def test_async_charges_each_round_its_own_wall_time():
-    """With one round in flight, the host dispatches round t+1 and then waits for round t before it
-    dispatches t+2 (`Engine.generate`): dispatch(t) = finish(t - 2). Rounds with a proposal that
-    really take 2.5 s where the profile says 1 s, between plain rounds that take the profiled 1 s:
-    the overhead is the proposal's (1.5 s) and none of it is the plain rounds'. Charging the gap
-    to the round just dispatched would swap the two (sparse proposals would look free)."""
+def _replay_dispatches(kinds, took):
+    """An async policy timing rounds of `kinds` that take `took[kind]` seconds (profiled: 1 s) as
+    `Engine.generate` dispatches them, one in flight: dispatch(t) = finish(t - 2). Yields
+    (t, policy) after each dispatch."""
     from dspark_jax.decoding import policies
 
-    rng = np.random.default_rng(0)
-    kinds = ["spec" if k else "plain" for k in rng.random(400) < 0.2]
-    took = {"spec": 2.5, "plain": 1.0}
     finish = np.cumsum([took[k] for k in kinds])
     policy = policies.AsyncPolicy(_cadence_engine(1.0, []))
     now = [0.0]
@@ -435,6 +430,19 @@ def test_async_charges_each_round_its_own_wall_time():
     for t, kind in enumerate(kinds):
         now[0] = finish[t - 2] if t >= 2 else 0.0
         policy._time_round(1.0, kind)
+        yield t, policy
+
+
+def test_async_charges_each_round_its_own_wall_time():
+    """With one round in flight, the host dispatches round t+1 and then waits for round t before it
+    dispatches t+2 (`Engine.generate`): dispatch(t) = finish(t - 2). Rounds with a proposal that
+    really take 2.5 s where the profile says 1 s, between plain rounds that take the profiled 1 s:
+    the overhead is the proposal's (1.5 s) and none of it is the plain rounds'. Charging the gap
+    to the round just dispatched would swap the two (sparse proposals would look free)."""
+    rng = np.random.default_rng(0)
+    kinds = ["spec" if k else "plain" for k in rng.random(400) < 0.2]
+    for _, policy in _replay_dispatches(kinds, {"spec": 2.5, "plain": 1.0}):
+        pass
     assert policy.overhead["spec"] == pytest.approx(1.5, rel=1e-3)
     assert policy.overhead["plain"] == pytest.approx(0.0, abs=1e-9)
 
@@ -444,19 +452,10 @@ def test_async_overhead_counts_its_first_measurement_whole():
     before any proposal has run, the search prices proposals at the plain rounds' 0.3 s; right
     after the one proposal, at its own 1.5 s (an average started at 0 would say 0.15 s, and the
     rare proposals of a plain-heavy load would look nearly free)."""
-    from dspark_jax.decoding import policies
-
     kinds = ["plain"] * 12 + ["spec"] + ["plain"] * 3
-    took = {"spec": 2.5, "plain": 1.3}
-    finish = np.cumsum([took[k] for k in kinds])
-    policy = policies.AsyncPolicy(_cadence_engine(1.0, []))
-    now = [0.0]
-    policy.clock = lambda: now[0]
-    policy.starting()
-    assert policy.overheads() == {"spec": 0.0, "plain": 0.0}  # nothing measured: the profile's word
-    for t, kind in enumerate(kinds):
-        now[0] = finish[t - 2] if t >= 2 else 0.0
-        policy._time_round(1.0, kind)
+    for t, policy in _replay_dispatches(kinds, {"spec": 2.5, "plain": 1.3}):
+        if t == 0:  # nothing measured: the profile's word
+            assert policy.overheads() == {"spec": 0.0, "plain": 0.0}
         if t == 12:  # the proposal dispatched, not yet measured
             assert policy.overheads() == pytest.approx({"spec": 0.3, "plain": 0.3}, rel=1e-6)
     assert policy.overheads() == pytest.approx({"spec": 1.5, "plain": 0.3}, rel=1e-6)
