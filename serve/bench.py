@@ -24,7 +24,8 @@ request's slot is refilled from the queue at once, so all slots stay full until 
 drains. Requests stop at the tokenizer's stop tokens (--ignore-eos: every request runs to
 --max-new-tokens, as serving benchmarks' flag of that name). The engines of one level are built
 first and their timed runs interleaved, --repeats times, the median kept: this machine's speed
-drifts between runs more than the differences measured. Throughput is measured at full load: the
+drifts between runs more than the differences measured. async's ratios to the baselines are paired
+by repeat (each repeat's async over the best baseline of that repeat, then the median). Throughput is measured at full load: the
 output tokens read back until the last request was admitted over the time until then (every slot
 busy, prefills included, the drain excluded; the whole run's figure is in the JSON as well).
 Tokens/s per user is a request's tokens after its first over its time since admission. At T = 0 the
@@ -44,6 +45,8 @@ import json
 import shlex
 import sys
 from pathlib import Path
+
+import numpy as np
 
 from dspark_jax.errors import DSparkError
 from serve import cli, reproduce
@@ -263,16 +266,34 @@ def concurrency(args, command: str) -> dict:
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Per (level, temperature): async / the best of plain, fixed1, fixed; async / fixed."""
-    tps = {(r["level"], r["temperature"], r["scheduler"]): r["full_load_tokens_per_s"] for r in rows}
+    """Per (level, temperature): async / the best of plain, fixed1, fixed, and async / fixed.
+
+    Paired by repeat: the schedulers of one repeat run back to back, so each repeat gives one
+    ratio (async's tokens/s over the best baseline's in that repeat) and the median of those is
+    kept. This machine's speed moves by a fifth between runs of identical work, on a time scale
+    longer than one scheduler's run, so that the ratio of the per-scheduler medians mixes
+    different repeats' speeds; it is kept as `async_over_best_of_medians` (and
+    `async_over_fixed_of_medians`), and a row without per-run figures falls back to it.
+    """
+    by = {(r["level"], r["temperature"], r["scheduler"]): r for r in rows}
     out = []
     for c, temp in dict.fromkeys((r["level"], r["temperature"]) for r in rows):
-        a = tps.get((c, temp, "async"))
-        base = [tps[c, temp, s] for s in BASELINES if (c, temp, s) in tps]
-        fixed = tps.get((c, temp, "fixed"))
-        out.append({"level": c, "temperature": temp,
-                    "async_over_best": a / max(base) if a and base else None,
-                    "async_over_fixed": a / fixed if a and fixed else None})
+        a = by.get((c, temp, "async"))
+        base = [by[c, temp, s] for s in BASELINES if (c, temp, s) in by]
+        fixed = by.get((c, temp, "fixed"))
+        q = {"level": c, "temperature": temp}
+        for key, against in (("async_over_best", base), ("async_over_fixed", [fixed] if fixed else [])):
+            medians = (a["full_load_tokens_per_s"] / max(r["full_load_tokens_per_s"] for r in against)
+                       if a and against else None)
+            runs = [r.get("tokens_per_s_runs") for r in [a, *against]] if a and against else None
+            if runs and all(runs) and len({len(v) for v in runs}) == 1:
+                paired = sorted(x / max(ys) for x, *ys in zip(*runs))
+                q[key] = float(np.median(paired))
+                q[key + "_runs"] = paired
+            else:
+                q[key] = medians
+            q[key + "_of_medians"] = medians
+        out.append(q)
     return out
 
 
@@ -288,7 +309,9 @@ def markdown(report: dict) -> str:
              f"{report['max_new_tokens']} new tokens per request "
              f"({'stop tokens ignored' if report['ignore_eos'] else 'ending at stop tokens'}), "
              f"{report['requests_per_slot']} requests per slot (at least "
-             f"{report.get('min_requests', 0)}), median of {report['repeats']} runs")
+             f"{report.get('min_requests', 0)}), median of {report['repeats']} runs; async's ratios: "
+             "median over the repeats of each repeat's ratio (the schedulers of a repeat run back "
+             "to back)")
     lines = [f"`{report['command']}`", "", setup, ""]
     for title, key, cols in (("Output tokens/s at full load", "full_load_tokens_per_s", extra),
                              ("Tokens/s per user", "tokens_per_s_per_request", [])):

@@ -148,3 +148,26 @@ def test_without_target_and_drafter_the_bundled_pair_is_benchmarked(tmp_path):
     args = bench.parse_args(["concurrency", "--out", str(tmp_path / "out"), "--levels", "1"])
     assert Path(args.target) == Path(bundled.resolve_target("tiny"))
     assert Path(args.drafter) == Path(bundled.resolve_drafter("tiny-dspark"))
+
+
+def test_ratios_pair_each_repeat_so_a_drift_between_repeats_cancels():
+    from serve.bench import ratios
+
+    def row(name, runs):
+        return {"level": 4, "temperature": 0.0, "scheduler": name, "tokens_per_s_runs": runs,
+                "full_load_tokens_per_s": sorted(runs)[len(runs) // 2]}
+
+    # async is 1.02x plain and 1.53x fixed in every repeat; the machine's speed is 1.0, 0.6, 0.6
+    # for the baselines' runs and 1.0, 1.0, 0.6 for async's (a slow spell ended in repeat 2).
+    rows = [row("plain", [300, 180, 180]), row("fixed", [200, 120, 120]),
+            row("async", [306, 306, 183.6])]
+    (q,) = ratios(rows)
+    assert q["async_over_best"] == pytest.approx(1.02)  # two of the three repeats say 1.02
+    assert q["async_over_best_of_medians"] == pytest.approx(306 / 180)  # mixes the speeds
+    assert q["async_over_fixed"] == pytest.approx(1.53)
+    assert q["async_over_best_runs"] == sorted(q["async_over_best_runs"])
+    # Without per-run figures (or with a different count), the ratio of the medians stands.
+    for r in rows:
+        r["tokens_per_s_runs"] = r["tokens_per_s_runs"][:2] if r["scheduler"] == "async" else None
+    (q,) = ratios(rows)
+    assert q["async_over_best"] == q["async_over_best_of_medians"]
