@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def parse_shape(text: str) -> tuple[int, int]:
     layers, hidden = (int(v) for v in text.lower().split("x"))
-    if layers < 4 or hidden < 64 or hidden % 32:
-        raise ValueError(f"--shapes {text}: expected LAYERSxHIDDEN with >= 4 layers and a hidden "
+    if layers < 6 or hidden < 64 or hidden % 32:
+        raise ValueError(f"--shapes {text}: expected LAYERSxHIDDEN with >= 6 layers (three taps) and a hidden "
                          "size that is a multiple of 32 and >= 64")
     return layers, hidden
 
@@ -54,6 +54,8 @@ def main(argv=None) -> int:
         slot_counts = [int(s) for s in args.slots.split(",")]
     except ValueError as e:
         ap.error(str(e))
+    if any(s < 1 for s in slot_counts):
+        ap.error(f"--slots {args.slots}: expected positive integers, e.g. 1,8")
 
     import jax
 
