@@ -2,7 +2,8 @@
 BENCHMARKS.md with its figures.
 
     python -m serve.bench reproduce [--out BENCHMARKS.md] [--figures benchmarks/figures]
-        [--work runs/reproduce] [--levels 1,2,4,8,16] [--fresh] [--thresholds 0.1,0.3,0.5,0.7,0.9]
+        [--work runs/reproduce] [--levels 1,2,4,8,16] [--math-levels 1,4,16] [--fresh]
+        [--thresholds 0.1,0.3,0.5,0.7,0.9]
         [--max-new-tokens 96] [--max-len 512] [--repeats 3] [--requests-per-slot 3]
         [--min-requests 32] [--slots 16]
         [--dflash-b15 DIR] [--eagle3 DIR] [--train-steps 800] [--no-compile-cache]
@@ -24,9 +25,12 @@ code, chat). Stages, in order:
   concurrency    `serve.bench concurrency` with every scheduler over --levels, T = 0 and 1, with the
                  T = 0 outputs compared with plain decoding's token for token (Fig. 7, 8), from which
                  speculative over plain decoding at batch 1 and 16
+  concurrency (math)  the same on the math prompts alone at --math-levels ('' skips it): the load
+                 where this machine's drafts are long enough for speculation to pay, beside the
+                 mixed one where it mostly does not (what async must do in each regime)
 
 Every table and figure in the output names the command and the machine it came from; the raw
-numbers go to WORK/reproduce.json and WORK/concurrency/.
+numbers go to WORK/reproduce.json, WORK/concurrency/ and WORK/concurrency-math/.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ MODELS = {"dspark-b7": ("tiny-dspark", "DSpark", 7), "dflash-b7": ("tiny-dflash"
           "dspark-b15": ("tiny-dspark-b15", "DSpark", 15), "dflash-b15": ("dflash-demo-b15", "DFlash", 15),
           "eagle3": ("eagle3-demo", "Eagle3", 7)}
 DEMO_DRAFTER_STEPS = 800  # what train.demo_models trained the bundled drafters for
+# the concurrency sweeps in the results (key, the load named in their findings: "" the mixed one)
+LOADS = (("concurrency", ""), ("concurrency_math", "math prompts only"))
 
 
 def add_parser(sub) -> None:
@@ -64,6 +70,8 @@ def add_parser(sub) -> None:
     r.add_argument("--figures", default="benchmarks/figures", help="directory for the PNGs")
     r.add_argument("--work", default="runs/reproduce", help="raw results, the trained baseline")
     r.add_argument("--levels", default="1,2,4,8,16", help="concurrencies")
+    r.add_argument("--math-levels", default="1,4,16",
+                   help="concurrencies of the math-prompts sweep ('' skips it)")
     r.add_argument("--thresholds", default="0.1,0.3,0.5,0.7,0.9")
     r.add_argument("--max-new-tokens", type=int, default=96)
     r.add_argument("--max-len", type=int, default=512, help="context positions per slot")
@@ -98,6 +106,12 @@ def check_args(args) -> list[str]:
         args.thresholds = thresholds
     except ValueError:
         problems.append(f"--thresholds {args.thresholds!r}: expected numbers in [0, 1]")
+    for flag in ("levels", "math_levels"):  # checked here, not after the stages before the sweeps
+        text = getattr(args, flag)
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        if (text or flag == "levels") and not (values and all(v.isdigit() and int(v) >= 1 for v in values)):
+            problems.append(f"--{flag.replace('_', '-')} {text!r}: expected positive integers, e.g. 1,4,16"
+                            + (" ('' skips the sweep)" if flag == "math_levels" else ""))
     for flag in ("max_new_tokens", "max_len", "repeats", "slots", "train_steps"):
         if getattr(args, flag) < 1:
             problems.append(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
@@ -364,7 +378,17 @@ def criteria(res: dict) -> list[tuple[str, str, bool | None]]:
         if cal["max_auc_shift"] is not None:
             out.append((f"{name}: AUC per position unchanged by STS (within 0.005)",
                         f"largest shift {cal['max_auc_shift']:.4f}", cal["max_auc_shift"] <= 0.005))
-    conc = res.get("concurrency")
+    for key, load in LOADS:
+        if res.get(key):
+            out += concurrency_criteria(res[key], load)
+    return out
+
+
+def concurrency_criteria(conc: dict, load: str) -> list[tuple[str, str, bool | None]]:
+    """The scheduling findings of one concurrency sweep; `load` names its prompts in each line
+    ('' for the mixed load the paper's criteria are judged on)."""
+    out = []
+    tag = f"{load}: " if load else ""
     if conc:
         tps = {(r["level"], r["temperature"], r["scheduler"]): r for r in conc["rows"]}
         for temp in conc["temperatures"]:
@@ -373,7 +397,7 @@ def criteria(res: dict) -> list[tuple[str, str, bool | None]]:
                 best = max(spec, key=lambda r: r["full_load_tokens_per_s"])
                 speed = best["full_load_tokens_per_s"] / plain["full_load_tokens_per_s"]
                 same = best.get("same_as_plain")
-                what = f"speculative ({best['scheduler']}) over plain decoding at batch 1, T = {temp:g}"
+                what = f"{tag}speculative ({best['scheduler']}) over plain decoding at batch 1, T = {temp:g}"
                 if temp == 0:
                     out.append((what + " (≥ 2×, identical output)",
                                 f"{speed:.2f}×, output {'identical' if same else 'DIFFERENT'}",
@@ -389,7 +413,7 @@ def criteria(res: dict) -> list[tuple[str, str, bool | None]]:
                 rel = {s: tps[16, temp, s]["full_load_tokens_per_s"] / plain["full_load_tokens_per_s"]
                        for s in others}
                 aware = [rel[s] for s in ("greedy", "async") if s in rel]
-                out.append((f"the load-aware schedulers (greedy, async) not below plain decoding at "
+                out.append((f"{tag}the load-aware schedulers (greedy, async) not below plain decoding at "
                             f"16 requests, T = {temp:g} (fixed ones listed beside them)",
                             ", ".join(f"{s} {v:.2f}×" for s, v in rel.items()),
                             min(aware) >= 1.0 if aware else None))
@@ -397,7 +421,7 @@ def criteria(res: dict) -> list[tuple[str, str, bool | None]]:
         if ratios_c and all(q["async_over_best"] is not None for q in ratios_c):
             worst = min(ratios_c, key=lambda q: q["async_over_best"])
             of_medians = worst.get("async_over_best_of_medians")
-            out.append(("async ≥ 0.97 × the best of plain, fixed(1), fixed(γ) at every level "
+            out.append((f"{tag}async ≥ 0.97 × the best of plain, fixed(1), fixed(γ) at every level "
                         "(paired by repeat)",
                         f"lowest {worst['async_over_best']:.2f} (c = {worst['level']}, "
                         f"T = {worst['temperature']:g}"
@@ -406,12 +430,12 @@ def criteria(res: dict) -> list[tuple[str, str, bool | None]]:
         at32 = [q for q in ratios_c if q["level"] == 32]
         if at32:
             low = min(q["async_over_fixed"] for q in at32)
-            out.append(("async ≥ 1.15 × fixed(γ) at 32 requests", f"{low:.2f}", low >= 1.15))
+            out.append((f"{tag}async ≥ 1.15 × fixed(γ) at 32 requests", f"{low:.2f}", low >= 1.15))
         for temp in conc["temperatures"]:
             budgets = [tps[c, temp, "async"]["mean_budget"] for c in conc["levels"]
                        if (c, temp, "async") in tps]
             if len(budgets) > 1:
-                out.append((f"async's mean budget per request falls as concurrency rises, T = {temp:g}",
+                out.append((f"{tag}async's mean budget per request falls as concurrency rises, T = {temp:g}",
                             " → ".join(f"{b:.2f}" for b in budgets),
                             all(b2 <= b1 + 0.05 for b1, b2 in zip(budgets, budgets[1:]))
                             and budgets[-1] < budgets[0]))
@@ -507,6 +531,15 @@ def render(res: dict) -> str:
                 eq = ("–" if t != 0 else ("all" if not same else "not " + ", ".join(same)))
                 lines.append(f"| {c} | {t:g} | " + " | ".join(cells) + f" | {eq} |")
         lines.append("")
+    math = res.get("concurrency_math")
+    if math:
+        from serve.bench import markdown
+
+        lines += ["## Throughput against concurrency, math prompts alone", "",
+                  "The same sweep on the domain with the bundled drafters' highest τ (the table of τ "
+                  "per domain): how each scheduler does where the drafts are longest, beside the "
+                  "mixed load above.", "", f"![throughput, math prompts]({fig}/throughput-math.png)", "",
+                  f"![per-user frontier, math prompts]({fig}/pareto-math.png)", "", markdown(math)]
     lines += ["## Stage times", "", "| stage | seconds |", "|---|---:|"]
     lines += [f"| {s['stage']} | {s['seconds']} |" for s in res["stages"]]
     return "\n".join(lines) + "\n"
@@ -526,7 +559,7 @@ def reusable(path: Path, cargs) -> dict | None:
               "temperatures": cargs.temperatures,
               "schedulers": cargs.schedulers, "max_len": cargs.max_len,
               "drafter": str(Path(cargs.drafter).resolve()), "ignore_eos": cargs.ignore_eos,
-              "prompt_order": bench.PROMPT_ORDER}
+              "prompt_order": bench.PROMPT_ORDER, "prompt_files": cargs.prompts}
     same = all(saved.get(key) == value for key, value in wanted.items())
     measured = {r["level"] for r in saved.get("rows", [])}
     if not same or not set(cargs.levels) <= measured:
@@ -535,6 +568,29 @@ def reusable(path: Path, cargs) -> dict | None:
     saved["ratios"] = [q for q in saved["ratios"] if q["level"] in cargs.levels]
     saved["levels"] = list(cargs.levels)
     return saved
+
+
+def concurrency_stage(stage, drafter: str, out: Path, levels: str, prompts: list[str], args) -> dict:
+    """`serve.bench concurrency` with every scheduler at `levels`, T = 0 and 1, into `out`; a
+    sweep already there with the same settings is reused unless --fresh."""
+    from serve import bench
+
+    bargs = ["concurrency", "--drafter", drafter, "--out", str(out), *prompts,
+             "--levels", levels, "--temperatures", "0,1", "--max-len", str(args.max_len),
+             "--max-new-tokens", str(args.max_new_tokens), "--repeats", str(args.repeats),
+             "--requests-per-slot", str(args.requests_per_slot),
+             "--min-requests", str(args.min_requests), "--seed", str(args.seed)]
+    if args.limit:
+        bargs += ["--limit", str(args.limit)]
+    if args.no_compile_cache:
+        bargs.append("--no-compile-cache")
+    cargs = bench.parse_args(bargs)
+    saved = None if args.fresh else reusable(out / "concurrency.json", cargs)
+    if saved:
+        print(f"concurrency: reusing {out} (the same settings; --fresh to measure again)", flush=True)
+        bench.write(saved, out)
+        return saved
+    return stage(out.name, bench.concurrency, cargs, shlex.join(["python", "-m", "serve.bench", *bargs]))
 
 
 def main(args, argv: list[str]) -> int:
@@ -584,29 +640,15 @@ def main(args, argv: list[str]) -> int:
             plot_threshold(res["threshold"], figures / "threshold.png", "tiny-dspark")
         del models, kept
         if "dspark-b7" in drafters:
-            from serve import bench
-
-            bargs = ["concurrency", "--drafter", drafters["dspark-b7"], "--out", str(work / "concurrency"),
-                     "--levels", args.levels, "--temperatures", "0,1", "--max-len", str(args.max_len),
-                     "--max-new-tokens", str(args.max_new_tokens), "--repeats", str(args.repeats),
-                     "--requests-per-slot", str(args.requests_per_slot),
-                     "--min-requests", str(args.min_requests), "--seed", str(args.seed)]
-            if args.limit:
-                bargs += ["--limit", str(args.limit)]
-            if args.no_compile_cache:
-                bargs.append("--no-compile-cache")
-            cargs = bench.parse_args(bargs)
-            saved = None if args.fresh else reusable(work / "concurrency" / "concurrency.json", cargs)
-            if saved:
-                print(f"concurrency: reusing {work / 'concurrency'} (the same settings; --fresh to "
-                      "measure again)", flush=True)
-                res["concurrency"] = saved
-                bench.write(saved, work / "concurrency")
-            else:
-                res["concurrency"] = stage("concurrency", bench.concurrency, cargs,
-                                           shlex.join(["python", "-m", "serve.bench", *bargs]))
-            for png in ("throughput.png", "pareto.png"):
-                shutil.copy2(work / "concurrency" / png, figures / png)
+            sweeps = [("concurrency", "concurrency", args.levels, [], "")]
+            if args.math_levels:
+                sweeps.append(("concurrency_math", "concurrency-math", args.math_levels,
+                               ["--prompts", "math"], "-math"))
+            for key, sub, levels, prompts, suffix in sweeps:
+                keep(key, concurrency_stage(stage, drafters["dspark-b7"], work / sub, levels, prompts,
+                                            args))
+                for png in ("throughput.png", "pareto.png"):
+                    shutil.copy2(work / sub / png, figures / png.replace(".png", f"{suffix}.png"))
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

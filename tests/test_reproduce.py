@@ -36,7 +36,16 @@ def _result():
                                      {"level": 16, "temperature": 0.0, "async_over_best": 0.99,
                                       "async_over_fixed": 1.01}]}
     cal = {"mean_ece_before": 0.05, "mean_ece_after": 0.012, "max_auc_shift": 0.002}
-    return {"acceptance": acc, "calibration": {"dspark-b7": cal}, "concurrency": conc}
+    math_rows = [_conc_row(level, 0.0, s, tps, budget, True) for level, s, tps, budget in (
+        (1, "plain", 100, 0.0), (1, "fixed", 180, 7.0), (1, "async", 170, 6.0),
+        (4, "plain", 200, 0.0), (4, "fixed", 300, 7.0), (4, "async", 310, 5.0))]
+    math = {"levels": [1, 4], "temperatures": [0.0], "schedulers": ["plain", "fixed", "async"],
+            "rows": math_rows, "ratios": [{"level": 1, "temperature": 0.0, "async_over_best": 0.94,
+                                           "async_over_fixed": 0.94},
+                                          {"level": 4, "temperature": 0.0, "async_over_best": 1.03,
+                                           "async_over_fixed": 1.03}]}
+    return {"acceptance": acc, "calibration": {"dspark-b7": cal}, "concurrency": conc,
+            "concurrency_math": math}
 
 
 def test_verdicts_follow_the_measurements():
@@ -56,6 +65,15 @@ def test_verdicts_follow_the_measurements():
     assert verdicts["async's mean budget per request falls as concurrency rises, T = 0"] == \
         ("6.00 → 0.50", True)
     assert verdicts["dspark-b7: mean ECE after STS on held-out rounds (≤ 1.5 %)"][1] is True
+    # the math-prompts sweep is judged the same way, each line naming its load
+    math = {k: v for k, v in verdicts.items() if k.startswith("math prompts only: ")}
+    assert math["math prompts only: async's mean budget per request falls as concurrency rises, "
+                "T = 0"] == ("6.00 → 5.00", True)
+    assert math["math prompts only: async ≥ 0.97 × the best of plain, fixed(1), fixed(γ) at every "
+                "level (paired by repeat)"] == ("lowest 0.94 (c = 1, T = 0)", False)
+    speed = next(v for k, v in math.items() if "batch 1, T = 0" in k)
+    assert speed == ("1.80×, output identical", False)
+    assert not any("16 requests" in k for k in math)  # no level 16 in that sweep
 
 
 def test_a_different_greedy_output_fails_the_speedup_finding():
@@ -99,7 +117,8 @@ def test_a_saved_sweep_is_reused_only_for_the_same_settings(tmp_path):
     report = {"max_new_tokens": 96, "repeats": 3, "requests_per_slot": 3, "min_requests": 32,
               "temperatures": [0.0],
               "schedulers": saved.schedulers, "max_len": 512, "drafter": saved.drafter,
-              "ignore_eos": False, "prompt_order": bench.PROMPT_ORDER, "levels": [1, 16], "rows": rows,
+              "ignore_eos": False, "prompt_order": bench.PROMPT_ORDER, "prompt_files": saved.prompts,
+              "levels": [1, 16], "rows": rows,
               "ratios": [{"level": c, "temperature": 0.0} for c in (1, 16)]}
     path = tmp_path / "concurrency.json"
     assert reproduce.reusable(path, saved) is None  # nothing saved yet
@@ -110,5 +129,28 @@ def test_a_saved_sweep_is_reused_only_for_the_same_settings(tmp_path):
     assert reproduce.reusable(path, cargs("--levels", "1", "--repeats", "2")) is None
     assert reproduce.reusable(path, cargs("--levels", "1", "--ignore-eos")) is None
     assert reproduce.reusable(path, cargs("--levels", "1", "--min-requests", "8")) is None
+    assert reproduce.reusable(path, cargs("--levels", "1", "--prompts", "math")) is None  # another load
     path.write_text(json.dumps({**report, "prompt_order": "file order"}))  # an older sweep's
     assert reproduce.reusable(path, cargs("--levels", "1")) is None
+
+
+def test_the_report_shows_both_loads_with_their_commands():
+    res = _result()
+    for key, cmd in (("concurrency", "python -m serve.bench concurrency --levels 1,16"),
+                     ("concurrency_math", "python -m serve.bench concurrency --prompts math")):
+        res[key].update(command=cmd, device={"kind": "cpu", "count": 1}, max_new_tokens=96,
+                        ignore_eos=False, requests_per_slot=4, min_requests=32, repeats=3)
+    res.update(command="python -m serve.bench reproduce", figures_rel="benchmarks/figures",
+               machine={"platform": "cpu", "device_kind": "cpu", "devices": 1, "cpu_cores": 2, "cpu": "x86_64",
+                        "jax": "0.10.2", "python": "3.11.7", "date": "2026-12-03"},
+               drafters={name: "" for name in reproduce.MODELS}, max_new_tokens=96, slots=16,
+               prompt_counts={d: 3 for d in reproduce.DOMAINS}, calibration={},
+               stages=[{"stage": "concurrency-math", "seconds": 1.0}])
+    res["criteria"] = reproduce.criteria(res)
+    text = reproduce.render(res)
+    mixed, math = text.split("## Throughput against concurrency, math prompts alone")
+    assert "`python -m serve.bench concurrency --levels 1,16`" in mixed
+    assert "`python -m serve.bench concurrency --prompts math`" in math
+    assert "benchmarks/figures/throughput-math.png" in math
+    assert "| 4 | 0 | 200.0 | 300.0 | 310.0 | 5.00 | 1.03 | 1.03 |" in math
+    assert "| math prompts only: async ≥ 0.97 × the best of plain" in mixed  # among the findings
