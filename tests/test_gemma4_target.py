@@ -29,6 +29,9 @@ FORWARD = jax.jit(tmodel.forward, static_argnums=1, static_argnames="compute_log
 FLAT = jax.jit(tmodel.forward_flat, static_argnums=(1, 8))
 
 
+SELF_TOL = 2e-4  # logits of one of our paths against another's
+
+
 def hidden_tol(ref: np.ndarray) -> float:
     """float32 rounding over 8 layers whose stream grows to ~120: 2.5e-6 of the entry's magnitude
     (at least 1e-4). transformers' own float32 run is 2.2e-4 from its float64 run here."""
@@ -124,7 +127,9 @@ def test_incremental_decode_through_the_ring_equals_full_forward(target, golden,
     assert out.cache.ring_k.shape[2] == 11 and out.cache.full_k.shape[2] == MAX_LEN
     np.testing.assert_allclose(out.logits[0], golden["decode_prefill_logits"][0], atol=1e-4, rtol=0)
     other = run_full(target, seqs[1])
-    np.testing.assert_allclose(out.logits[1, :33], other.logits[0, :33], atol=1e-4, rtol=0)
+    # Our two paths against each other: batches of other shapes sum in other orders (1.1e-4 seen on
+    # logits of ~10 on a loaded machine), so the float32 budget of the golden checks, doubled.
+    np.testing.assert_allclose(out.logits[1, :33], other.logits[0, :33], atol=SELF_TOL, rtol=0)
     cache, logits = out.cache, []
     for i in range(8):
         pos = lengths + i
@@ -133,8 +138,8 @@ def test_incremental_decode_through_the_ring_equals_full_forward(target, golden,
         logits.append(o.logits[:, 0])
     logits = np.stack(logits, 1)  # [ROWS, 8, V]
     np.testing.assert_allclose(logits[0], golden["decode_step_logits"][0], atol=1e-4, rtol=0)
-    np.testing.assert_allclose(logits[0], full.logits[0, 40:], atol=1e-4, rtol=0)
-    np.testing.assert_allclose(logits[1], other.logits[0, 33:41], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(logits[0], full.logits[0, 40:], atol=SELF_TOL, rtol=0)
+    np.testing.assert_allclose(logits[1], other.logits[0, 33:41], atol=SELF_TOL, rtol=0)
     ring = np.asarray(cache.ring_pos)
     assert sorted(ring[0]) == list(range(37, 48)) and sorted(ring[1]) == list(range(30, 41))
 
