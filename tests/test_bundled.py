@@ -48,6 +48,7 @@ def test_export_restores_the_complete_deepspec_directory(tmp_path):
     target = CheckpointFiles(bundled.TARGETS["tiny"])
     assert set(full.keys()) == set(mine.keys()) | set(SHARED_KEYS)
     for key in mine.keys():
+        assert full.array(key).dtype == mine.array(key).dtype, key  # bfloat16 stays bfloat16
         np.testing.assert_array_equal(full.array(key), mine.array(key))
     np.testing.assert_array_equal(full.array("embed_tokens.weight"),
                                   target.array("model.embed_tokens.weight"))

@@ -20,6 +20,16 @@ from pathlib import Path
 from dspark_jax.errors import DSparkError
 
 
+def stored_dtype(drafter: str) -> str:
+    """The dtype of a drafter directory's floating-point tensors (a bundled bfloat16 drafter exports
+    as bfloat16, not as the float32 it computes in on CPU)."""
+    from dspark_jax.formats.safetensors_io import CheckpointFiles
+
+    files = CheckpointFiles(drafter)
+    dtypes = {str(files.array(k).dtype) for k in files.keys()} & {"float32", "bfloat16"}
+    return "bfloat16" if dtypes == {"bfloat16"} else "float32"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
@@ -28,7 +38,8 @@ def main(argv=None) -> int:
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                    help="tensor dtype to write (default: the drafter's compute dtype)")
+                    help="tensor dtype to write (default: with --checkpoint the drafter's compute "
+                         "dtype, with --drafter the dtype its tensors are stored in)")
     ap.add_argument("--target", default=None,
                     help="Hugging Face target directory for the embedding/lm_head copies "
                          "(default: the run's train.target_dir; with --drafter: the bundled tiny)")
@@ -45,7 +56,8 @@ def main(argv=None) -> int:
             if Path(args.out).resolve() == Path(drafter).resolve():
                 raise DSparkError(f"--out {args.out}: is the drafter directory itself")
             tcfg, tparams, dcfg, params = deepspec.load_pair(target, drafter)
-            out = deepspec.save_any(params, tcfg, dcfg, tparams, args.out, dtype=args.dtype)
+            dtype = args.dtype or stored_dtype(drafter)
+            out = deepspec.save_any(params, tcfg, dcfg, tparams, args.out, dtype=dtype)
             if (Path(drafter) / "sts.json").is_file():
                 shutil.copy2(Path(drafter) / "sts.json", out / "sts.json")
             what = drafter
