@@ -355,6 +355,46 @@ def test_async_probes_are_single_rounds_that_grow_apart_while_plain_wins():
             since = 0
 
 
+def test_async_probes_when_requests_join_without_doubling_the_wait():
+    """Proposals priced out at one request: each request that joins gets one round with a proposal
+    (its estimate is only the prior); the PROBE_EVERY clock runs beside it, and only its own probes
+    that change nothing double its wait."""
+    from dspark_jax.decoding import policies
+
+    rounds = []
+    policy = policies.AsyncPolicy(_cadence_engine(100.0, rounds))
+    for t in range(300):
+        if t in (0, 100, 200):
+            policy.admitted(0)
+        policy.dispatch([0], lambda: [4])
+    kinds = np.array([k[0] for k in rounds if k[0] != "flush"])
+    assert list(np.flatnonzero(kinds == "topk")) == [0, policies.PROBE_EVERY + 1, 100, 200]
+    assert policy.probe_every == 2 * policies.PROBE_EVERY
+
+
+def test_async_probe_is_judged_once_its_round_is_read():
+    """The host reads round t after dispatching t+1: the decision for t+1 cannot have seen a probe
+    dispatched at t, so the policy decides again at t+2, with the probe's survival, which here says
+    that proposals pay."""
+    from dspark_jax.decoding import policies
+    from dspark_jax.decoding.state import RoundOutput
+
+    rounds = []
+    policy = policies.AsyncPolicy(_cadence_engine(1.0, rounds))
+    policy.estimates[:], policy.prior[:] = 0.0, 0.0  # what the last request's drafts were worth
+    policy.admitted(0)
+    for _ in range(2):
+        policy.dispatch([0], lambda: [4])
+    assert [k[0] for k in rounds] == ["topk", "plain"]  # the probe, then a decision without it
+    a = np.full((1, 4), 0.9, np.float32)
+    policy.observe(RoundOutput(tokens=np.zeros((1, 5), np.int32), count=np.array([1]),
+                               verified=np.array([1]), accepted=np.array([1]),
+                               finish=np.zeros(1, np.int32), was_active=np.array([True]),
+                               conf_logits=np.zeros((1, 4), np.float32), survival=a), [0])
+    policy.dispatch([0], lambda: [4])
+    assert rounds[-1] == ("topk", 5)
+
+
 def test_async_decision_stands_longer_while_it_repeats():
     """Proposals pay: every round proposes in the largest bucket, and the search runs ever more
     rarely (REDECIDE_EVERY doubling to REDECIDE_MAX) while its answer repeats."""
@@ -363,7 +403,7 @@ def test_async_decision_stands_longer_while_it_repeats():
     rounds, searches = [], []
     policy = policies.AsyncPolicy(_cadence_engine(1.0, rounds))
     choose = policy.choose
-    policy.choose = lambda live, rooms: searches.append(1) or choose(live, rooms)
+    policy.choose = lambda live, rooms, **kw: searches.append(1) or choose(live, rooms, **kw)
     for _ in range(400):
         policy.dispatch([0], lambda: [4])
     assert set(rounds) == {("topk", 5)}

@@ -22,6 +22,11 @@ from dspark_jax.decoding.schedulers import BucketTable
 # up to PROBE_MAX (a bounded cost that vanishes on a steady load: one round in PROBE_MAX).
 PROBE_EVERY = 64
 PROBE_MAX = 1024
+# async: a probe also when at least UNSEEN_SHARE of the live requests joined since the last
+# proposal. Their estimates are only the prior (what earlier requests' drafts were worth), and on a
+# mixed load the next request may draft far better or worse than the last one did: at one request
+# a math answer that speculation doubles can follow a chat answer it cannot help.
+UNSEEN_SHARE = 0.5
 # async: a decision stands for REDECIDE_EVERY rounds unless the number of live requests changes
 # (the survival estimates move slowly; searching every round costs the host more than it gains on
 # small rounds); each search that repeats the decision doubles that, up to REDECIDE_MAX.
@@ -151,7 +156,12 @@ class AsyncPolicy(Policy):
         self.age = 0  # rounds it has been used for
         self.hold = REDECIDE_EVERY  # rounds the current decision stands
         self.probe_every = PROBE_EVERY  # plain rounds before the next probe
-        self.probing = False  # the last decision was a probe: it stands one round
+        # Decisions still to make one round apart after a probe (2, 1, 0): the host reads round
+        # t after dispatching t+1, so the decision for t+1 has not seen the probe yet; the one for
+        # t+2 has, and judges it.
+        self.after_probe = 0
+        self.timed_probe = False  # that probe came from the PROBE_EVERY clock (not from joiners)
+        self.unseen = np.zeros(engine.R, bool)  # joined since the last proposal
         self.table = None  # (profile, BucketTable of the compiled buckets)
         self.pending = []  # round outputs read since the last decision
         self.clock = time.perf_counter
@@ -175,8 +185,8 @@ class AsyncPolicy(Policy):
             e.flush()
             self.plain_run = 0
         n = len(live)
-        if self.last is None or self.last[2] != n or self.age >= self.hold or self.probing or \
-                self.since_spec >= self.probe_every:
+        if self.last is None or self.last[2] != n or self.age >= self.hold or self.after_probe or \
+                self.since_spec >= self.probe_every or self._unseen(live):
             self._decide(live, rooms)
         self.age += 1
         kind, F, _ = self.last
@@ -186,6 +196,7 @@ class AsyncPolicy(Policy):
             self.plain_run += 1
             return e.run_round(("plain", F)), "plain", F
         self.since_spec = self.plain_run = 0
+        self.unseen[live] = False  # every live request gets a proposal, whatever the bucket
         return e.run_round(("topk", F)), "spec", F
 
     def warm(self):
@@ -208,22 +219,31 @@ class AsyncPolicy(Policy):
                                      / self.overhead_weight[waited])
         self.dispatched = [*self.dispatched[-1:], (now, profiled, kind)]
 
+    def _unseen(self, live) -> bool:
+        """At least UNSEEN_SHARE of the live requests have had no proposal yet."""
+        return bool(self.unseen[live].sum() >= UNSEEN_SHARE * len(live))
+
     def _decide(self, live, rooms) -> None:
-        probe = self.since_spec >= self.probe_every
-        kind, F = self.choose(live, rooms())
+        timed = self.since_spec >= self.probe_every
+        probe = timed or self._unseen(live)
+        kind, F = self.choose(live, rooms(), probe=probe)
         if jax.process_count() > 1:  # the clock-based overhead differs between processes
             code, F = (int(v) for v in distributed.from_lead([KINDS.index(kind), F]))
             kind = KINDS[code]
         decision = (kind, F, len(live))
-        if self.probing:  # the round after a probe: did it change the decision?
+        judging = self.after_probe == 1  # the first decision that has read the probe's round
+        if judging and self.timed_probe:  # did the probe change the decision?
             self.probe_every = min(2 * self.probe_every, PROBE_MAX) if kind == "plain" else PROBE_EVERY
         elif kind == "spec" and not probe and self.last is not None and self.last[0] == "plain":
             self.probe_every = PROBE_EVERY  # the load or the drafts changed: probe often again
         self.hold = min(2 * self.hold, REDECIDE_MAX) if decision == self.last else REDECIDE_EVERY
-        self.probing = probe and kind == "spec"
+        if probe and kind == "spec":
+            self.after_probe, self.timed_probe = 2, timed
+        else:
+            self.after_probe = max(self.after_probe - 1, 0)
         self.last, self.age = decision, 0
 
-    def choose(self, live, rooms) -> tuple[str, int]:
+    def choose(self, live, rooms, probe: bool = False) -> tuple[str, int]:
         e = self.engine
         self._absorb()
         if self.table is None or self.table[0] is not e.profile:
@@ -232,9 +252,9 @@ class AsyncPolicy(Policy):
         est = self.estimates[live] * self.correction()
         est = np.minimum.accumulate(np.minimum(est, 1.0), axis=1)  # survival never rises along j
         est[np.arange(est.shape[1]) >= np.asarray(rooms)[:, None]] = 0.0
-        # A proposal at least every PROBE_EVERY rounds, so that the estimates stay current.
-        return self.table[1].choose(est, len(live), plain=self.since_spec < self.probe_every,
-                                    overhead=self.overheads(), margin=self.MARGIN)
+        # A probe is a proposal whatever the estimates say, so that they stay current.
+        return self.table[1].choose(est, len(live), plain=not probe, overhead=self.overheads(),
+                                    margin=self.MARGIN)
 
     def overheads(self) -> dict[str, float]:
         """The overhead the search adds per kind: the measured one, else the other kind's."""
@@ -247,6 +267,7 @@ class AsyncPolicy(Policy):
     def admitted(self, slot):
         self._absorb()  # rounds read so far may still describe the slot's previous request
         self.estimates[slot] = self.prior
+        self.unseen[slot] = True
         # The decision stands: a joiner that keeps the live count only refreshes one slot's
         # estimate at the prior (a changed count is a new decision anyway).
 
