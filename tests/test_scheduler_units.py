@@ -431,6 +431,50 @@ def test_choose_bucket_margin_keeps_plain_near_break_even():
     assert table.choose(np.full((1, 1), 0.10), 1, margin=0.05) == ("spec", 2)
 
 
+def test_choose_bucket_scale_discounts_the_estimated_drafts():
+    """Estimates that have lately delivered 40 % of their sum no longer pay for the proposal."""
+    table = BucketTable({5: 2.0}, {1: 1.0})
+    est = np.full((1, 4), 0.5)  # bucket 5: (1 + 2) / 2 s beats plain's 1 / 1 s
+    assert table.choose(est, 1) == ("spec", 5)
+    assert table.choose(est, 1, scale=0.4) == ("plain", 1)  # (1 + 0.8) / 2 s
+
+
+def test_async_scale_is_what_the_priced_proposals_delivered():
+    """The head's survival says 0.9 a draft, and its rounds are then read back with no draft
+    accepted (estimates that are stale by the time the search uses them). Each proposal is
+    paired with the round that reads it back, plain rounds with none; the scale falls as
+    (accepted + PRICE_PRIOR) / (priced + PRICE_PRIOR) until proposals no longer pay."""
+    from dspark_jax.decoding import policies
+    from dspark_jax.decoding.state import RoundOutput
+
+    rounds = []
+    policy = policies.AsyncPolicy(_cadence_engine(1.6, rounds))
+    policy.correction = lambda: np.ones(4)  # the per-position correction is tested apart
+    policy.estimates[:] = 0.9
+    priced = delivered = 0.0
+    kinds = []
+    for t in range(60):
+        policy.dispatch([0], lambda: [4])
+        kinds.append(rounds[-1][0])
+        if t:  # one round in flight: round t - 1 is read after round t was dispatched
+            spec = kinds[-2] == "topk"
+            policy.observe(RoundOutput(
+                tokens=np.zeros((1, 5), np.int32), count=np.array([1]),
+                verified=np.array([4 if spec else 0]), accepted=np.array([0]),
+                finish=np.zeros(1, np.int32), was_active=np.array([True]),
+                conf_logits=np.zeros((1, 4 if spec else 0), np.float32),
+                survival=np.full((1, 4 if spec else 0), 0.9, np.float32)), [0])
+            if spec:
+                priced = policy.DECAY * priced + 3.6
+                delivered = policy.DECAY * delivered
+        assert policy.scale() == pytest.approx((delivered + policy.PRICE_PRIOR)
+                                               / (priced + policy.PRICE_PRIOR), rel=1e-6)
+    first_plain = kinds.index("plain")
+    assert 10 < first_plain < 60 and set(kinds[first_plain:]) == {"plain"}
+    # It flipped at the first decision where 1 + 3.6 x scale fell below 1.6 s x 1.05 tokens/s.
+    assert policy.scale() < (1.6 * (1 + policy.MARGIN) - 1) / 3.6
+
+
 def test_async_measures_the_overhead_between_dispatches():
     """The async policy's overhead: the wall time between dispatches beyond the profiled round,
     averaged per kind of round; idle gaps are clipped and a new generate call does not count the

@@ -9,6 +9,7 @@ the host loop.
 
 from __future__ import annotations
 
+import collections
 import time
 
 import jax
@@ -125,6 +126,14 @@ class AsyncPolicy(Policy):
     cost is much the same whichever round runs), and before either has run the profile's word
     stands.
 
+    The estimates are a slot's last read proposal, up to a few rounds old, and the search
+    speculates when they are high: on a load whose drafts vary from one round to the next (T = 1,
+    mixed domains) the rounds it chooses then deliver less than their estimates promised (at 16
+    requests on the bundled pair, 10.4 accepted drafts a round where the corrected estimates said
+    15.4). So the search also scales every bucket's estimated drafts by what such prices have
+    delivered: the accepted drafts of each round with a proposal over the sum of estimates the
+    search priced it with, decayed by DECAY a round, PRICE_PRIOR drafts at face value.
+
     A proposal must promise MARGIN more tokens per second than the plain round to be chosen.
     The search takes the best of a dozen buckets priced with estimated survival, and the largest
     of several noisy estimates is biased upwards (the winner's curse), while the plain round's
@@ -142,6 +151,7 @@ class AsyncPolicy(Policy):
     OVERHEAD_DECAY = 0.9
     OVERHEAD_CAP = 2.0
     MARGIN = 0.05
+    PRICE_PRIOR = 16.0
 
     def __init__(self, engine):
         super().__init__(engine)
@@ -170,6 +180,10 @@ class AsyncPolicy(Policy):
         self.overhead = {"spec": 0.0, "plain": 0.0}
         self.overhead_weight = {"spec": 0.0, "plain": 0.0}
         self.dispatched = []  # (clock, profiled seconds, kind) of the last two dispatches
+        self.price = 0.0  # the estimated drafts the search priced the current decision's bucket at
+        self.priced = 0.0  # decayed Σ price over the rounds with a proposal read
+        self.delivered = 0.0  # decayed Σ accepted drafts of the same rounds
+        self.prices = collections.deque()  # per round dispatched and not read: its price or None
 
     def programs(self):
         return super().programs() + [("topk", F) for F in self.engine.spec_buckets] + [("flush",)]
@@ -194,8 +208,10 @@ class AsyncPolicy(Policy):
         if kind == "plain":
             self.since_spec += 1
             self.plain_run += 1
+            self.prices.append(None)
             return e.run_round(("plain", F)), "plain", F
         self.since_spec = self.plain_run = 0
+        self.prices.append(self.price)
         self.unseen[live] = False  # every live request gets a proposal, whatever the bucket
         return e.run_round(("topk", F)), "spec", F
 
@@ -205,6 +221,12 @@ class AsyncPolicy(Policy):
 
     def starting(self):
         self.dispatched = []
+        self.prices.clear()
+
+    def scale(self) -> float:
+        """Accepted drafts per estimated draft over the rounds the search chose to propose in,
+        pulled towards 1 by PRICE_PRIOR drafts at face value."""
+        return (self.delivered + self.PRICE_PRIOR) / (self.priced + self.PRICE_PRIOR)
 
     def _time_round(self, profiled: float, kind: str) -> None:
         """Folds the wall time since the last dispatch into the overhead of the round dispatched
@@ -253,8 +275,11 @@ class AsyncPolicy(Policy):
         est = np.minimum.accumulate(np.minimum(est, 1.0), axis=1)  # survival never rises along j
         est[np.arange(est.shape[1]) >= np.asarray(rooms)[:, None]] = 0.0
         # A probe is a proposal whatever the estimates say, so that they stay current.
-        return self.table[1].choose(est, len(live), plain=not probe, overhead=self.overheads(),
-                                    margin=self.MARGIN)
+        kind, F = self.table[1].choose(est, len(live), plain=not probe, overhead=self.overheads(),
+                                       margin=self.MARGIN, scale=self.scale())
+        if kind == "spec":  # the estimates of the F - n best candidates, before the scale
+            self.price = float(np.sort(est, axis=None)[::-1][:F - len(live)].sum())
+        return kind, F
 
     def overheads(self) -> dict[str, float]:
         """The overhead the search adds per kind: the measured one, else the other kind's."""
@@ -272,6 +297,10 @@ class AsyncPolicy(Policy):
         # estimate at the prior (a changed count is a new decision anyway).
 
     def observe(self, out, live):
+        price = self.prices.popleft() if self.prices else None
+        if price is not None and out.was_active.any():
+            self.priced = self.DECAY * self.priced + price
+            self.delivered = self.DECAY * self.delivered + float(out.accepted[out.was_active].sum())
         # Kept until the next decision: the estimates are read only then, and absorbing a few
         # rounds at once costs the host about what one costs.
         if out.survival.shape[1] and out.was_active.any():

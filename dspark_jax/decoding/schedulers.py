@@ -178,14 +178,17 @@ class BucketTable:
         self.plain_s = np.asarray([plain_seconds[F] for F in self.plain_F], np.float64)
 
     def choose(self, estimates: np.ndarray, num_live: int, plain: bool = True,
-               overhead: dict[str, float] | None = None, margin: float = 0.0) -> tuple[str, int]:
+               overhead: dict[str, float] | None = None, margin: float = 0.0,
+               scale: float = 1.0) -> tuple[str, int]:
         """`overhead` {"spec": s, "plain": s}: seconds a round of that kind costs beyond its
         profiled time (prefills between rounds, the host), added to each of its buckets. `margin`:
-        a proposal must promise (1 + margin) x the plain round's tokens per second to be chosen."""
+        a proposal must promise (1 + margin) x the plain round's tokens per second to be chosen.
+        `scale`: the accepted drafts a bucket is expected to add, as a multiple of the sum of its
+        estimates (what such sums have delivered lately)."""
         overhead = overhead or {}
         extra_spec, extra_plain = overhead.get("spec", 0.0), overhead.get("plain", 0.0)
         pool = -np.sort(-np.clip(np.ravel(estimates), 0.0, 1.0))
-        gain = np.concatenate([[0.0], np.cumsum(pool)])
+        gain = scale * np.concatenate([[0.0], np.cumsum(pool)])
         fits = self.spec_F > num_live
         best = ("spec", int(self.spec_F[-1]), -1.0)
         if fits.any():
