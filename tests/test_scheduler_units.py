@@ -543,3 +543,30 @@ def test_async_overhead_counts_its_first_measurement_whole():
         if t == 12:  # the proposal dispatched, not yet measured
             assert policy.overheads() == pytest.approx({"spec": 0.3, "plain": 0.3}, rel=1e-6)
     assert policy.overheads() == pytest.approx({"spec": 1.5, "plain": 0.3}, rel=1e-6)
+
+
+def test_async_starts_every_generate_call_from_scratch():
+    """What one call taught the policy about its drafts (a drafter whose proposals delivered
+    nothing, say, or a load that later changed drafter) does not decide the next call's rounds:
+    `starting` forgets it, and keeps the measured overheads, which describe the machine."""
+    from dspark_jax.decoding import policies
+    from dspark_jax.decoding.state import RoundOutput
+
+    rounds = []
+    policy = policies.AsyncPolicy(_cadence_engine(1.6, rounds))
+    policy.starting()
+    for t in range(60):
+        policy.dispatch([0], lambda: [4])
+        if t:
+            policy.observe(RoundOutput(
+                tokens=np.zeros((1, 5), np.int32), count=np.array([1]), verified=np.array([4]),
+                accepted=np.array([0]), finish=np.zeros(1, np.int32), was_active=np.array([True]),
+                conf_logits=np.zeros((1, 4), np.float32),
+                survival=np.full((1, 4), 0.9, np.float32)), [0])
+    assert rounds[-1][0] == "plain" and policy.scale() < 0.5
+    overhead = dict(policy.overhead)
+    policy.starting()
+    assert policy.scale() == 1.0 and policy.overhead == overhead
+    np.testing.assert_array_equal(policy.correction(), np.ones(4))
+    policy.dispatch([0], lambda: [4])
+    assert rounds[-1] == ("topk", 5)  # the optimistic start: propose, and learn this call's drafts

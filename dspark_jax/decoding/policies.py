@@ -155,13 +155,27 @@ class AsyncPolicy(Policy):
 
     def __init__(self, engine):
         super().__init__(engine)
-        gamma = engine.gamma
-        self.estimates = np.ones((engine.R, gamma))  # per slot; optimistic before any is read
+        self.plain_run = 0  # rounds without a proposal since the held-back features were projected
+        self.table = None  # (profile, BucketTable of the compiled buckets)
+        self.clock = time.perf_counter
+        # measured seconds per round beyond the profile, per kind (see the docstring), and the
+        # sum of the weights behind each (0: not measured yet)
+        self.overhead = {"spec": 0.0, "plain": 0.0}
+        self.overhead_weight = {"spec": 0.0, "plain": 0.0}
+        self.dispatched = []  # (clock, profiled seconds, kind) of the last two dispatches
+        self.prices = collections.deque()  # per round dispatched and not read: its price or None
+        self._forget()
+
+    def _forget(self) -> None:
+        """What the policy learns about the drafts and decides from them, back to its start.
+        Each `generate` call starts here: its requests are not the last call's, and the engine's
+        drafter may have changed in between (the overheads describe the machine and stay)."""
+        gamma, R = self.engine.gamma, self.engine.R
+        self.estimates = np.ones((R, gamma))  # per slot; optimistic before any is read
         self.prior = np.ones(gamma)  # a new request's estimate: the last round's mean
         self.predicted = np.zeros(gamma)  # decayed Σ a_j over verified drafts j
         self.observed = np.zeros(gamma)  # decayed Σ 1[draft j survived] over the same
         self.since_spec = 0  # rounds since the last proposal
-        self.plain_run = 0  # rounds without a proposal since the held-back features were projected
         self.last = None  # (kind, bucket, live count) of the last decision
         self.age = 0  # rounds it has been used for
         self.hold = REDECIDE_EVERY  # rounds the current decision stands
@@ -171,19 +185,11 @@ class AsyncPolicy(Policy):
         # t+2 has, and judges it.
         self.after_probe = 0
         self.timed_probe = False  # that probe came from the PROBE_EVERY clock (not from joiners)
-        self.unseen = np.zeros(engine.R, bool)  # joined since the last proposal
-        self.table = None  # (profile, BucketTable of the compiled buckets)
+        self.unseen = np.zeros(R, bool)  # joined since the last proposal
         self.pending = []  # round outputs read since the last decision
-        self.clock = time.perf_counter
-        # measured seconds per round beyond the profile, per kind (see the docstring), and the
-        # sum of the weights behind each (0: not measured yet)
-        self.overhead = {"spec": 0.0, "plain": 0.0}
-        self.overhead_weight = {"spec": 0.0, "plain": 0.0}
-        self.dispatched = []  # (clock, profiled seconds, kind) of the last two dispatches
         self.price = 0.0  # the estimated drafts the search priced the current decision's bucket at
         self.priced = 0.0  # decayed Σ price over the rounds with a proposal read
         self.delivered = 0.0  # decayed Σ accepted drafts of the same rounds
-        self.prices = collections.deque()  # per round dispatched and not read: its price or None
 
     def programs(self):
         return super().programs() + [("topk", F) for F in self.engine.spec_buckets] + [("flush",)]
@@ -222,6 +228,7 @@ class AsyncPolicy(Policy):
     def starting(self):
         self.dispatched = []
         self.prices.clear()
+        self._forget()
 
     def scale(self) -> float:
         """Accepted drafts per estimated draft over the rounds the search chose to propose in,
