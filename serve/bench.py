@@ -225,44 +225,58 @@ def concurrency(args, command: str) -> dict:
               "bad_records": bad, "levels": args.levels,
               "temperatures": args.temperatures, "schedulers": args.schedulers, "rows": []}
     for c in args.levels:
-        engines = {}
-        for name in args.schedulers:
-            engines[name] = engine = engine_for(name, c)
-            warm_s = engine.warmup()
-            engine.generate(batch(c, args.temperatures[0], WARM_TOKENS, "warm"))
-            print(f"c={c} {name}: {engine.compilations} programs in {warm_s:.1f} s"
-                  + (f"; SPS profile: {engine.profile_source}" if engine.profile else ""),
-                  file=sys.stderr, flush=True)
-        for temp in args.temperatures:
-            runs = {name: [] for name in engines}
-            requests = batch(max(c * args.requests_per_slot, args.min_requests), temp,
-                             args.max_new_tokens, f"c{c}-t{temp:g}")
-            outputs = {name: {} for name in engines}  # first run's tokens, compared at T = 0
-            for repeat in range(args.repeats):
-                for name, engine in engines.items():
-                    keep = (lambda r, o=outputs[name]: o.__setitem__(r.id, r.token_ids)) \
-                        if repeat == 0 and temp == 0 else (lambda r: None)
-                    runs[name].append(engine.generate(requests, keep))
-            for name, engine in engines.items():
-                m = sorted(runs[name], key=lambda m: m["full_load_tokens_per_s"])[len(runs[name]) // 2]
-                report["rows"].append({
-                    "level": c, "temperature": temp, "scheduler": name, "describe": m["scheduler"],
-                    "requests": len(requests), "sps_profile": engine.profile_source or None,
-                    "tokens_per_s_runs": [r["full_load_tokens_per_s"] for r in runs[name]],
-                    # greedy output must equal the target's own, token for token
-                    "same_as_plain": (outputs[name] == outputs["plain"]
-                                      if temp == 0 and "plain" in outputs and name != "plain"
-                                      else None),
-                    **{k: m[k] for k in RECORDED}})
-                print(f"c={c} T={temp:g} {name}: {m['full_load_tokens_per_s']:,.1f} tok/s, "
-                      f"{m['tokens_per_s_per_request']:,.1f} tok/s per user, tau {m['tau']:.2f}, "
-                      f"budget {m['mean_budget']:.2f}", file=sys.stderr, flush=True)
-        del engines, engine
+        engines = warm_level(c, args.schedulers, engine_for, batch, args.temperatures[0])
+        time_level(c, engines, batch, args, report)
+        del engines
         gc.collect()
         jax.clear_caches()  # the level's executables: a long sweep must not keep every level's
         report["ratios"] = ratios(report["rows"])
         write(report, out)  # after every level, so a long run keeps what it measured
     return report
+
+
+def warm_level(c: int, names, engine_for, batch, temperature: float) -> dict:
+    """The level's engine per scheduler: `engine_for(name, c)`, warmed up (every program compiled,
+    the SPS profile loaded or measured), then one untimed pass of c short requests."""
+    engines = {}
+    for name in names:
+        engines[name] = engine = engine_for(name, c)
+        warm_s = engine.warmup()
+        engine.generate(batch(c, temperature, WARM_TOKENS, "warm"))
+        print(f"c={c} {name}: {engine.compilations} programs in {warm_s:.1f} s"
+              + (f"; SPS profile: {engine.profile_source}" if engine.profile else ""),
+              file=sys.stderr, flush=True)
+    return engines
+
+
+def time_level(c: int, engines: dict, batch, args, report: dict) -> None:
+    """The timed runs of one level: per temperature, max(c x requests per slot, min requests)
+    requests (`batch(n, temperature, new_tokens, tag)`) through every engine in turn, --repeats
+    times; appends one row per scheduler (its median run) to report["rows"]."""
+    for temp in args.temperatures:
+        runs = {name: [] for name in engines}
+        requests = batch(max(c * args.requests_per_slot, args.min_requests), temp,
+                         args.max_new_tokens, f"c{c}-t{temp:g}")
+        outputs = {name: {} for name in engines}  # first run's tokens, compared at T = 0
+        for repeat in range(args.repeats):
+            for name, engine in engines.items():
+                keep = (lambda r, o=outputs[name]: o.__setitem__(r.id, r.token_ids)) \
+                    if repeat == 0 and temp == 0 else (lambda r: None)
+                runs[name].append(engine.generate(requests, keep))
+        for name, engine in engines.items():
+            m = sorted(runs[name], key=lambda m: m["full_load_tokens_per_s"])[len(runs[name]) // 2]
+            report["rows"].append({
+                "level": c, "temperature": temp, "scheduler": name, "describe": m["scheduler"],
+                "requests": len(requests), "sps_profile": engine.profile_source or None,
+                "tokens_per_s_runs": [r["full_load_tokens_per_s"] for r in runs[name]],
+                # greedy output must equal the target's own, token for token
+                "same_as_plain": (outputs[name] == outputs["plain"]
+                                  if temp == 0 and "plain" in outputs and name != "plain"
+                                  else None),
+                **{k: m[k] for k in RECORDED}})
+            print(f"c={c} T={temp:g} {name}: {m['full_load_tokens_per_s']:,.1f} tok/s, "
+                  f"{m['tokens_per_s_per_request']:,.1f} tok/s per user, tau {m['tau']:.2f}, "
+                  f"budget {m['mean_budget']:.2f}", file=sys.stderr, flush=True)
 
 
 def ratios(rows: list[dict]) -> list[dict]:
