@@ -545,6 +545,60 @@ def test_async_overhead_counts_its_first_measurement_whole():
     assert policy.overheads() == pytest.approx({"spec": 1.5, "plain": 0.3}, rel=1e-6)
 
 
+def test_async_does_not_sample_an_interval_that_waited_for_a_prefill():
+    """Plain rounds that take 0.2 s more than profiled; every fifth dispatch admits a request
+    whose prefill (3 s) the next interval also waits for. The prefills are left out: the plain
+    rounds' overhead is their own 0.2 s, not 0.2 + 3 / 5."""
+    from dspark_jax.decoding import policies
+
+    rounds, now = [], [0.0]
+    policy = policies.AsyncPolicy(_cadence_engine(100.0, rounds))
+    policy.clock = lambda: now[0]
+    policy.starting()
+    prefill = 0.0
+    for t in range(60):
+        now[0] += 1.2 + prefill  # the interval this dispatch closes
+        prefill = 0.0
+        if t % 5 == 0:
+            policy.admitted(0)
+            prefill = 3.0  # run on the device before the round dispatched now finishes
+        policy.dispatch([0], lambda: [4])
+    assert "plain" in {key[0] for key in rounds}
+    assert policy.overhead["plain"] == pytest.approx(0.2, rel=1e-6)
+
+
+def test_async_a_stale_overhead_cannot_shut_a_kind_out():
+    """Plain rounds once measured 2 s dearer than profiled (a pause, say), then proposals that
+    deliver nothing, each taking exactly its profiled time: priced at the stale 2 s the plain
+    round never wins again and is never measured again. After STALE_ROUNDS rounds its figure
+    falls to the proposals' 0 s, plain rounds win, and their own figure is measured afresh."""
+    from dspark_jax.decoding import policies
+    from dspark_jax.decoding.state import RoundOutput
+
+    rounds, now = [], [0.0]
+    policy = policies.AsyncPolicy(_cadence_engine(1.6, rounds))
+    policy.clock = lambda: now[0]
+    policy.starting()
+    policy.overhead = {"spec": 0.0, "plain": 2.0}
+    policy.overhead_weight = {"spec": 0.0, "plain": 1.0}
+    kinds, took = [], {"spec": 1.6, "plain": 1.0}
+    for t in range(2 * policies.AsyncPolicy.STALE_ROUNDS):
+        if t >= 2:  # one round in flight: round t is dispatched when round t - 2 has finished
+            now[0] += took[kinds[t - 2]]
+        policy.dispatch([0], lambda: [4])
+        kinds.append("plain" if rounds[-1][0] == "plain" else "spec")
+        if t and kinds[-1] == "spec":
+            policy.observe(RoundOutput(
+                tokens=np.zeros((1, 5), np.int32), count=np.array([1]), verified=np.array([4]),
+                accepted=np.array([0]), finish=np.zeros(1, np.int32), was_active=np.array([True]),
+                conf_logits=np.zeros((1, 4), np.float32),
+                survival=np.full((1, 4), 0.9, np.float32)), [0])
+    first_plain = kinds.index("plain")
+    assert set(kinds[:first_plain]) == {"spec"}
+    assert policies.AsyncPolicy.STALE_ROUNDS < first_plain <= policies.AsyncPolicy.STALE_ROUNDS + 40
+    assert kinds[-1] == "plain" and policy.overhead["plain"] < 0.5
+
+
 def test_async_starts_every_generate_call_from_scratch():
     """What one call taught the policy about its drafts (a drafter whose proposals delivered
     nothing, say, or a load that later changed drafter) does not decide the next call's rounds:

@@ -111,20 +111,30 @@ class AsyncPolicy(Policy):
     inside a round still uses the round's own (calibrated) survival. Everything here comes from
     rounds already committed, so it cannot bias the output.
 
-    The profile times rounds alone; a running engine also pays, between rounds, the prefills of
-    the requests it admits and its host loop. That overhead is measured as it runs, per kind of
-    round (with and without a proposal). With one round in flight the host dispatches round t+1,
-    then waits for round t to finish before it dispatches t+2: the time between those two
-    dispatches is round t's wall time (not t+1's: attributing it to the round just dispatched
-    charges a proposal's cost to the plain round after it, and the other way round, which makes
-    sparse proposals look free). That time minus round t's profiled time, clipped to
-    [0, OVERHEAD_CAP x that time] (an idle gap is not a cost of the round), is averaged with
-    weight OVERHEAD_DECAY per round of the kind, bias-corrected (the weights' sum divides, so the
-    first measurement counts whole: an average started at 0 would take the rare proposals of a
-    plain-heavy load for free for dozens of rounds); the search adds it to that kind's buckets. A
-    kind not yet run borrows the other kind's figure (what the host and the prefills between rounds
-    cost is much the same whichever round runs), and before either has run the profile's word
-    stands.
+    The profile times rounds alone; a running engine also pays its host loop between rounds. That
+    overhead is measured as it runs, per kind of round (with and without a proposal). With one
+    round in flight the host dispatches round t+1, then waits for round t to finish before it
+    dispatches t+2: the time between those two dispatches is round t's wall time (not t+1's:
+    attributing it to the round just dispatched charges a proposal's cost to the plain round after
+    it, and the other way round, which makes sparse proposals look free). That time minus round t's
+    profiled time, clipped to [0, OVERHEAD_CAP x that time] (an idle gap is not a cost of the
+    round), is averaged with weight OVERHEAD_DECAY per round (of either kind: a figure not
+    refreshed for long counts for little against a new sample), bias-corrected (the weights' sum
+    divides, so the first measurement counts whole: an average started at 0 would take the rare
+    proposals of a plain-heavy load for free for dozens of rounds); the search adds
+    it to that kind's buckets. A kind not yet run borrows the other kind's figure, and before
+    either has run the profile's word stands.
+
+    An interval that also waited for a prefill (the requests admitted with round t+1 are prefilled
+    on the device between rounds t and t+1) is not a sample. The prefills are the workload's, the
+    same work whichever rounds decode it, so they do not belong in the price of a round; and
+    counted in, they made the figures follow the joins (on the bundled pair at 4 requests a prefill
+    costs 16-22 ms, three plain rounds). A kind's figure only changes while that kind runs, so one
+    unlucky figure could shut it out for good: plain rounds priced at a stale 2 ms too many kept
+    async proposing in every round at 4 requests (0.7x plain decoding) until the call ended, since
+    nothing re-measured them. So a figure not refreshed for STALE_ROUNDS rounds falls to the other
+    kind's when that is lower: the worst a stale figure can then cost is one round of its kind,
+    which measures it again.
 
     The estimates are a slot's last read proposal, up to a few rounds old, and the search
     speculates when they are high: on a load whose drafts vary from one round to the next (T = 1,
@@ -150,6 +160,7 @@ class AsyncPolicy(Policy):
     PRIOR = 8.0
     OVERHEAD_DECAY = 0.9
     OVERHEAD_CAP = 2.0
+    STALE_ROUNDS = 64
     MARGIN = 0.05
     PRICE_PRIOR = 16.0
 
@@ -163,6 +174,11 @@ class AsyncPolicy(Policy):
         self.overhead = {"spec": 0.0, "plain": 0.0}
         self.overhead_weight = {"spec": 0.0, "plain": 0.0}
         self.dispatched = []  # (clock, profiled seconds, kind) of the last two dispatches
+        self.timed = 0  # rounds dispatched with the clock running (every kind)
+        self.sampled_at = {"spec": 0, "plain": 0}  # `timed` when each kind's figure last moved
+        # Joins since the last dispatch, and whether the interval the next dispatch closes holds
+        # a prefill (the one admitted with the last dispatch).
+        self.joins, self.prefilled = 0, False
         self.prices = collections.deque()  # per round dispatched and not read: its price or None
         self._forget()
 
@@ -227,6 +243,7 @@ class AsyncPolicy(Policy):
 
     def starting(self):
         self.dispatched = []
+        self.joins, self.prefilled = 0, False
         self.prices.clear()
         self._forget()
 
@@ -237,15 +254,22 @@ class AsyncPolicy(Policy):
 
     def _time_round(self, profiled: float, kind: str) -> None:
         """Folds the wall time since the last dispatch into the overhead of the round dispatched
-        before that one (the round the host waited for in between; see the docstring)."""
+        before that one (the round the host waited for in between; see the docstring), unless the
+        host also waited for a prefill then."""
         now = self.clock()
-        if len(self.dispatched) == 2:
+        if len(self.dispatched) == 2 and not self.prefilled:
             (_, expected, waited), (then, _, _) = self.dispatched
             extra = min(max(now - then - expected, 0.0), self.OVERHEAD_CAP * expected)
-            kept = self.OVERHEAD_DECAY * self.overhead_weight[waited]
+            # decayed by every round since the kind's last sample, not by its own rounds only:
+            # a figure not refreshed for long counts for little against the new one
+            kept = self.OVERHEAD_DECAY ** (self.timed - self.sampled_at[waited]) * \
+                self.overhead_weight[waited]
             self.overhead_weight[waited] = kept + (1 - self.OVERHEAD_DECAY)
             self.overhead[waited] = ((kept * self.overhead[waited] + (1 - self.OVERHEAD_DECAY) * extra)
                                      / self.overhead_weight[waited])
+            self.sampled_at[waited] = self.timed
+        self.prefilled, self.joins = self.joins > 0, 0
+        self.timed += 1
         self.dispatched = [*self.dispatched[-1:], (now, profiled, kind)]
 
     def _unseen(self, live) -> bool:
@@ -289,14 +313,18 @@ class AsyncPolicy(Policy):
         return kind, F
 
     def overheads(self) -> dict[str, float]:
-        """The overhead the search adds per kind: the measured one, else the other kind's."""
+        """The overhead the search adds per kind: the measured one, else the other kind's; a
+        figure older than STALE_ROUNDS rounds at most the other kind's."""
         out = dict(self.overhead)
         for kind, other in (("spec", "plain"), ("plain", "spec")):
             if not self.overhead_weight[kind]:
                 out[kind] = self.overhead[other]
+            elif self.overhead_weight[other] and self.timed - self.sampled_at[kind] > self.STALE_ROUNDS:
+                out[kind] = min(self.overhead[kind], self.overhead[other])
         return out
 
     def admitted(self, slot):
+        self.joins += 1  # prefilled before the next round: see `_time_round`
         self._absorb()  # rounds read so far may still describe the slot's previous request
         self.estimates[slot] = self.prior
         self.unseen[slot] = True
