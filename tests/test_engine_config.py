@@ -204,6 +204,36 @@ def test_rounds_without_a_proposal_still_build_the_drafters_context(engine_pair)
                                    atol=1e-5, rtol=1e-5)
 
 
+def test_a_flush_projects_what_is_held_back_at_the_width_that_holds_it(engine_pair):
+    """A flush projects the first 4, 16 or all held-back positions, whichever holds every slot's
+    count: the drafter's context ends up as a projection of the whole buffer makes it."""
+    import jax
+    import jax.numpy as jnp
+
+    from dspark_jax.decoding import rounds
+    from dspark_jax.models.drafter import extend_context
+
+    tcfg, tparams, dcfg, dparams, _, _ = engine_pair
+    engine = Engine(tcfg, tparams, dcfg, dparams, slots=2, scheduler=SchedulerConfig("async"),
+                    pending_context=64, **SMALL)
+    assert rounds.flush_widths(64) == (4, 16, 64) and rounds.flush_widths(8) == (4, 8)
+    assert rounds.flush_widths(3) == (3,)
+    rng = np.random.default_rng(0)
+    taps = jnp.asarray(rng.normal(0, 1, engine.state.pending.taps.shape), jnp.float32)
+    for counts in ([3, 1], [10, 0], [4, 16], [40, 64]):
+        count = jnp.asarray(counts, jnp.int32)
+        length = count + 5
+        state = engine.state.replace(pending=engine.state.pending.replace(taps=taps, count=count),
+                                     slots=engine.state.slots.replace(length=length))
+        got = rounds.flush_pending(engine.shape, state, dparams)
+        offset = jnp.arange(64)
+        want = extend_context(dparams, tcfg, dcfg, state.draft_cache, taps,
+                              length[:, None] - count[:, None] + offset, offset < count[:, None])
+        np.testing.assert_array_equal(np.asarray(got.pending.count), 0)
+        for a, b in ((got.draft_cache.k, want.k), (got.draft_cache.v, want.v)):
+            np.testing.assert_allclose(jax.device_get(a), jax.device_get(b), atol=1e-5, rtol=1e-5)
+
+
 def test_round_seconds_add_the_host_loop_and_never_fall_with_the_bucket():
     """What the schedulers see: each round's time plus the host's, fitted non-decreasing in the
     bucket (least squares: an inversion pools to its mean, an ordered table is kept)."""

@@ -69,6 +69,37 @@ def test_a_rows_distribution_does_not_depend_on_its_batch_mates():
     assert np.count_nonzero(np.asarray(mixed[2])) == 5
 
 
+def test_greedy_batch_mates_change_no_rows_bits_and_greedy_rows_are_one_hot():
+    """A batch computes only the distributions its rows need (a greedy batch skips the softmax,
+    a sampling one the one-hot); every row's bits are the same in a greedy, a sampling and a
+    mixed batch, eagerly and under jit."""
+    import jax
+
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(0, 3, (4, 2, 512)), jnp.float32)
+    logits = logits.at[1, 0, 5].set(logits[1, 0, 9]).at[1, 0, 9].set(50.0).at[1, 0, 5].set(50.0)
+    ones, off = jnp.ones((4, 1), jnp.float32), jnp.zeros((4, 1), jnp.int32)
+    for fn in (target_probs, jax.jit(target_probs)):
+        hot = np.asarray(fn(logits, 0 * ones, ones, off))
+        soft = np.asarray(fn(logits, ones, ones, off))
+        mixed = np.asarray(fn(logits, jnp.asarray([[1.0], [0.0], [1.0], [0.0]]), ones, off))
+        np.testing.assert_array_equal(mixed[[0, 2]], soft[[0, 2]])
+        np.testing.assert_array_equal(mixed[[1, 3]], hot[[1, 3]])
+        np.testing.assert_array_equal(hot.argmax(-1), np.asarray(logits).argmax(-1))
+        assert hot[1, 0, 5] == 1.0  # a tie goes to the first maximum, as argmax
+        np.testing.assert_array_equal(hot.sum(-1), 1.0)
+
+
+def test_first_argmax_is_argmax():
+    from dspark_jax.models.layers import first_argmax
+
+    rng = np.random.default_rng(2)
+    x = rng.integers(0, 4, (64, 33)).astype(np.float32)  # many ties
+    x[0] = -np.inf
+    x[1, 7] = np.inf
+    np.testing.assert_array_equal(first_argmax(jnp.asarray(x)), x.argmax(-1))
+
+
 def test_requests_validate_their_sampling_parameters():
     from dspark_jax.decoding.engine import Request
     from dspark_jax.errors import DSparkError

@@ -169,17 +169,26 @@ def flush_pending(shape: EngineShape, state: EngineState, dparams, when: jax.Arr
     if pending is None:
         return state
 
-    def flush(state):
+    def flush(width, state):  # the first `width` held-back positions of every slot
         s, p = state.slots, state.pending
-        P = p.taps.shape[1]
-        offset = jnp.arange(P)
-        dc = extend_context(dparams, shape.tcfg, shape.dcfg, state.draft_cache, p.taps,
+        offset = jnp.arange(width)
+        dc = extend_context(dparams, shape.tcfg, shape.dcfg, state.draft_cache, p.taps[:, :width],
                             s.length[:, None] - p.count[:, None] + offset,
                             offset < p.count[:, None])
         return state.replace(draft_cache=dc, pending=p.replace(count=jnp.zeros_like(p.count)))
 
+    widths = flush_widths(pending.taps.shape[1])
+    # The projection costs what it reads: the smallest width that holds every slot's count.
+    which = jnp.searchsorted(jnp.asarray(widths), jnp.max(pending.count))
     when = jnp.any(pending.count > 0) if when is None else when
-    return jax.lax.cond(when, flush, lambda state: state, state)
+    branches = [lambda state: state] + [lambda state, w=w: flush(w, state) for w in widths]
+    return jax.lax.switch(jnp.where(when, 1 + which, 0), branches, state)
+
+
+def flush_widths(pending: int) -> tuple[int, ...]:
+    """The widths a flush projects at, up to the buffer's `pending` positions: powers of 4 (the
+    projection's cost follows its width; a branch each is compiled into every flushing program)."""
+    return tuple(w for w in (4, 16) if w < pending) + (pending,)
 
 
 def dspark_propose(shape: EngineShape, state: EngineState, tparams, dparams

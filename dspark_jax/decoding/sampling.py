@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.models.layers import sample_inverse_cdf
+from dspark_jax.models.layers import by_temperature, first_argmax, sample_inverse_cdf
 
 # Stages of one position's randomness (`row_keys`).
 FIRST_TOKEN, PROPOSE, ACCEPT = 0, 1, 2
@@ -45,10 +45,11 @@ def target_probs(logits: jax.Array, temperature: jax.Array, top_p: jax.Array,
                                   inplace=False)
         return jnp.where(keep | ~filtering[..., None], scaled, -jnp.inf)
 
-    scaled = jax.lax.cond(jnp.any(filtering), filtered, lambda x: x, scaled)
-    soft = jax.nn.softmax(scaled, axis=-1)
-    hard = jax.nn.one_hot(jnp.argmax(logits, -1), V, dtype=jnp.float32)
-    return jnp.where(greedy[..., None], hard, soft)
+    def soft():
+        return jax.nn.softmax(jax.lax.cond(jnp.any(filtering), filtered, lambda x: x, scaled), -1)
+
+    return by_temperature(greedy, lambda: jax.nn.one_hot(first_argmax(logits), V,
+                                                         dtype=jnp.float32), soft)
 
 
 def row_keys(base: jax.Array, seeds: jax.Array, positions: jax.Array, stage: int) -> jax.Array:

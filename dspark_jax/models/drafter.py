@@ -29,7 +29,15 @@ from jax.sharding import NamedSharding
 
 from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.models import gemma4_layers as g4
-from dspark_jax.models.layers import NEG_INF, rms_norm, rope, sample_inverse_cdf, swiglu
+from dspark_jax.models.layers import (
+    NEG_INF,
+    by_temperature,
+    first_argmax,
+    rms_norm,
+    rope,
+    sample_inverse_cdf,
+    swiglu,
+)
 from dspark_jax.models.target import lm_head, target_spec
 from dspark_jax.params import ArrayInfo
 from dspark_jax.sharding import constrain
@@ -394,9 +402,9 @@ def draft_distribution(logits: jax.Array, temperature: jax.Array) -> jax.Array:
     """softmax(logits / T) per row; one-hot argmax where T == 0 (greedy)."""
     greedy = temperature <= 0
     safe_t = jnp.where(greedy, 1.0, temperature)[..., None]
-    soft = jax.nn.softmax(logits / safe_t, axis=-1)
-    hard = jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=soft.dtype)
-    return jnp.where(greedy[..., None], hard, soft)
+    return by_temperature(greedy, lambda: jax.nn.one_hot(first_argmax(logits), logits.shape[-1],
+                                                         dtype=jnp.float32),
+                          lambda: jax.nn.softmax(logits / safe_t, axis=-1))
 
 
 def propose(dparams, target_params, tcfg: TargetConfig, dcfg: DrafterConfig, cache: DraftCache,
@@ -424,8 +432,9 @@ def propose(dparams, target_params, tcfg: TargetConfig, dcfg: DrafterConfig, cac
         bias, conf, state = head_step(dparams, dcfg, h_k, prev, state)
         logits = base_k if bias is None else base_k + bias
         probs = draft_distribution(logits, temperature)
-        sampled = sample_inverse_cdf(probs, u_k)
-        token = jnp.where(temperature <= 0, jnp.argmax(logits, -1), sampled).astype(jnp.int32)
+        token = by_temperature(temperature <= 0, lambda: first_argmax(logits)[:, None],
+                               lambda: sample_inverse_cdf(probs, u_k)[:, None])[:, 0]
+        token = token.astype(jnp.int32)
         conf = jnp.zeros((B,), jnp.float32) if conf is None else conf
         return (token, state), (token, probs, conf)
 

@@ -24,6 +24,7 @@ from dspark_jax.models.drafter import cast_compute, draft_distribution
 from dspark_jax.models.layers import (
     NEG_INF,
     attention,
+    first_argmax,
     project_qkv,
     rms_norm,
     rope,
@@ -267,7 +268,7 @@ def propose(dparams, target_params, tcfg: TargetConfig, ecfg: Eagle3Config, cach
         logits = draft_logits(dp, target_params, tcfg, h)  # [B,V]
         probs = draft_distribution(logits, temperature)
         sampled = sample_inverse_cdf(probs, u_b)
-        token = jnp.where(temperature <= 0, jnp.argmax(logits, -1), sampled).astype(jnp.int32)
+        token = jnp.where(temperature <= 0, first_argmax(logits), sampled).astype(jnp.int32)
         cache, out = _run_rows(dp, target_params, tcfg, cache, token[:, None], h[:, None],
                                (pos + 1)[:, None], jnp.ones((B, 1), bool))
         return (out[:, 0], pos + 1, cache), (token, probs, logits, h)
