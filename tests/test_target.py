@@ -96,6 +96,38 @@ def test_cache_prefill_then_extend_equals_full(case):
     assert not np.asarray(cache.k[:, :, T:]).any()
 
 
+def test_attention_reads_only_the_span_that_holds_the_tokens(case):
+    """A prefill attends over its prompt bucket and a flat verification over the shortest of
+    `attention_spans` that holds its furthest token (here 64 of 128 positions, then 16): the logits
+    are transformers' all the same."""
+    from dspark_jax.models.target import attention_spans, forward_flat
+
+    directory, cfg, params = case[:3]
+    assert attention_spans(128) == (16, 32, 64, 128) and attention_spans(8) == (8,)
+    assert attention_spans(512) == (32, 64, 128, 256, 512)
+    ids = np.random.default_rng(5).integers(0, cfg.vocab_size, size=(2, 40))
+    ref, _ = torch_forward(directory, ids)
+    lengths = np.array([10, 37])
+    pos = np.broadcast_to(np.arange(37), (2, 37))
+    valid = pos < lengths[:, None]
+    prefill = jax.jit(forward, static_argnums=1, static_argnames=("compute_logits", "span"))
+    out = prefill(params, cfg, jnp.asarray(np.where(valid, ids[:, :37], 0)), jnp.asarray(pos),
+                  cache=KVCache.create(cfg, 2, 128), valid=jnp.asarray(valid), span=37)
+    np.testing.assert_allclose(out.logits[1], ref[1, :37], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(out.logits[0, :10], ref[0, :10], atol=1e-4, rtol=0)
+    flat = jax.jit(forward_flat, static_argnums=(1, 8))
+    W = 4
+    rows, offsets = np.array([0, 0, 0, 1, 1]), np.array([0, 1, 2, 0, 1])  # positions up to 38: 64
+    positions = lengths[rows] + offsets
+    out = flat(params, cfg, out.cache, jnp.asarray(ids[rows, positions]), jnp.asarray(rows),
+               jnp.asarray(positions), jnp.ones(5, bool), jnp.asarray(rows * W + offsets), W)
+    np.testing.assert_allclose(out.logits, ref[rows, positions], atol=1e-4, rtol=0)
+    one = np.array([0])  # row 0 alone at position 13: 16 positions
+    out = flat(params, cfg, out.cache, jnp.asarray(ids[0, 13:14]), jnp.asarray(one),
+               jnp.asarray([13]), jnp.ones(1, bool), jnp.asarray(one), W)
+    np.testing.assert_allclose(out.logits, ref[0, 13:14], atol=1e-4, rtol=0)
+
+
 def test_export_reload_in_transformers(case, tmp_path):
     directory, cfg, params, ids, ref_logits, _ = case
     out_dir = hf_checkpoint.save_target(params, cfg, tmp_path / "export",

@@ -95,8 +95,10 @@ def measured_on(tcfg, dcfg, slots: int, max_len: int, context: int, mesh_shape: 
 
 
 def default_context(engine) -> int:
-    """Cached positions per slot a start-up profile is measured at: a quarter of the context (a
-    round reads the whole cache capacity whatever its length; the rest leaves room to time)."""
+    """Cached positions per slot a start-up profile is measured at: a quarter of the context, so
+    its rounds attend over half of it (`target.attention_spans`; a round over shorter contexts
+    costs less, one over longer ones more, and the async policy's measured overhead takes up the
+    difference where it is a cost); the rest leaves room to time."""
     return max(1, engine.S // 4)
 
 

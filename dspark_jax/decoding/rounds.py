@@ -122,7 +122,7 @@ def prefill(shape: EngineShape, state: EngineState, tparams, dparams, slot_idx, 
     positions = jnp.broadcast_to(jnp.arange(P), (J, P))
     valid = positions < lengths[:, None]
     out = forward(tparams, tcfg, tokens, positions, cache=state.target_cache.take_rows(take),
-                  valid=valid, logit_index=(lengths - 1)[:, None])
+                  valid=valid, logit_index=(lengths - 1)[:, None], span=P)
     tc = state.target_cache.put_rows(slot_idx, out.cache)
     probs = target_probs(out.logits[:, 0], temperature, top_p, top_k)
     first = sample(row_keys(state.key, seed, lengths, FIRST_TOKEN), probs)

@@ -38,7 +38,7 @@ from dspark_jax.models.layers import (
     sample_inverse_cdf,
     swiglu,
 )
-from dspark_jax.models.target import lm_head, target_spec
+from dspark_jax.models.target import attention_spans, lm_head, target_spec
 from dspark_jax.params import ArrayInfo
 from dspark_jax.sharding import constrain
 
@@ -423,7 +423,16 @@ def propose(dparams, target_params, tcfg: TargetConfig, dcfg: DrafterConfig, cac
     x = embed_blocks(target_params, tcfg, anchor[:, None], T, jnp.dtype(dcfg.dtype))  # [B,1,T,d]
     pos = anchor_pos[:, None, None] + jnp.arange(T)
     ctx_mask = jnp.arange(S)[None, None, :] < anchor_pos[:, None, None]
-    h = backbone(dp, tcfg, x, pos, ctx_mask, cache=cache)[:, 0]  # [B,T,d]
+
+    def over(length):  # the block attends to the context cache's first `length` positions
+        def run(k, v):
+            sub = DraftCache(k=k[:, :, :length], v=v[:, :, :length])
+            return backbone(dp, tcfg, x, pos, ctx_mask[..., :length], cache=sub)
+        return run
+
+    spans = attention_spans(S)  # the shortest that holds every row's context, as the target's
+    which = jnp.searchsorted(jnp.asarray(spans), jnp.max(anchor_pos))
+    h = jax.lax.switch(which, [over(length) for length in spans], cache.k, cache.v)[:, 0]  # [B,T,d]
     base = lm_head(target_params, tcfg, h.astype(target_params["embed"].dtype))  # [B,T,V]
 
     def step(carry, xs):

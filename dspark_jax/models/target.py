@@ -184,12 +184,14 @@ def _run_layers(params, cfg: TargetConfig, x: jax.Array, positions: jax.Array, a
 def forward(params, cfg: TargetConfig, tokens: jax.Array, positions: jax.Array, *,
             cache: KVCache | None = None, valid: jax.Array | None = None,
             logit_index: jax.Array | None = None, compute_logits: bool = True,
-            batch_sharding: NamedSharding | None = None) -> TargetOutput:
+            batch_sharding: NamedSharding | None = None, span: int | None = None) -> TargetOutput:
     """Runs the target over `tokens` [B, T] at absolute `positions` [B, T].
 
     Without a cache, tokens attend causally (by position) to the valid tokens of their own row.
     With a cache, new keys/values of valid tokens are written at their positions and each token
-    attends to cache slots <= its position; invalid (padding) tokens are never written.
+    attends to cache slots <= its position; invalid (padding) tokens are never written. `span`
+    (static, Qwen3): every position is below it, so attention reads the cache's first `span` slots
+    only (a prompt's prefill: its bucket, not the context capacity).
     `logit_index` [B, K] selects the positions whose logits are computed (all when None).
     `batch_sharding` (training on a mesh): the activations' layout, rows over the batch axes.
     """
@@ -212,10 +214,14 @@ def forward(params, cfg: TargetConfig, tokens: jax.Array, positions: jax.Array, 
         write_pos = jnp.where(valid, positions, S)  # out of range: dropped by the scatter
         rows = jnp.arange(B)[:, None]
 
+        span = S if span is None else min(span, S)
+
         def attend(q, k, v, kv, layer_id):
             ck = kv[0].at[layer_id, rows, write_pos].set(k, mode="drop")
             cv = kv[1].at[layer_id, rows, write_pos].set(v, mode="drop")
-            return attention(q, ck[layer_id], cv[layer_id], mask), (ck, cv)
+            sub = lambda c: jax.lax.dynamic_slice(  # noqa: E731
+                c, (layer_id, 0, 0, 0, 0), (1, B, span) + c.shape[3:])[0]
+            return attention(q, sub(ck), sub(cv), mask[:, :, :span]), (ck, cv)
 
         kv_in = (cache.k, cache.v)
     hidden, taps, kv_out = _run_layers(params, cfg, x, positions, attend, kv_in)
@@ -229,6 +235,14 @@ def forward(params, cfg: TargetConfig, tokens: jax.Array, positions: jax.Array, 
     return TargetOutput(logits=logits, taps=taps, hidden=hidden, cache=new_cache)
 
 
+def attention_spans(max_len: int) -> tuple[int, ...]:
+    """The cache prefixes a verification attends over: the whole context and its halves down to a
+    sixteenth (at least 16 positions). A round reads the shortest that holds its furthest token,
+    so attention and the per-layer read of the cache cost what the live contexts hold, not the
+    context capacity (each length is a branch compiled into the round)."""
+    return tuple(sorted({max(max_len >> i, min(max_len, 16)) for i in range(5)}))
+
+
 def forward_flat(params, cfg: TargetConfig, cache: KVCache, tokens: jax.Array, rows: jax.Array,
                  positions: jax.Array, valid: jax.Array, grid_index: jax.Array, width: int
                  ) -> TargetOutput:
@@ -236,7 +250,10 @@ def forward_flat(params, cfg: TargetConfig, cache: KVCache, tokens: jax.Array, r
 
     Linear layers and MLPs run on the F tokens, so cost follows the bucket. Token i belongs to
     request `rows[i]` at `positions[i]`; for attention the queries are scattered to a [R, width]
-    grid (`grid_index[i]` = row * width + offset) to read each request's cache, then gathered back.
+    grid (`grid_index[i]` = row * width + offset) to read each request's cache, then gathered back;
+    they read the shortest of `attention_spans` that holds the furthest position, not the whole
+    context (at 32 slots on 2 CPU cores, contexts under 256 of 512 positions: a round without a
+    proposal 22.4 -> 15.8 ms, one with 64 verified tokens 58.6 -> 42.0 ms).
     Invalid (padding) tokens are never written to the cache. Returns logits [F, V] and taps [F, m*d].
     """
     if cfg.family == "gemma4":
@@ -248,13 +265,24 @@ def forward_flat(params, cfg: TargetConfig, cache: KVCache, tokens: jax.Array, r
     grid = jnp.where(valid, grid_index, R * width)  # out of range: dropped
     grid_pos = jnp.full((R * width,), -1, jnp.int32).at[grid].set(positions, mode="drop")
     mask = jnp.arange(S)[None, None, :] <= grid_pos.reshape(R, width)[:, :, None]  # [R,W,S]
+    spans = attention_spans(S)
+    span = jnp.searchsorted(jnp.asarray(spans), jnp.max(jnp.where(valid, positions, 0)) + 1)
 
     def attend(q, k, v, kv, layer_id):
         ck = kv[0].at[layer_id, rows, write_pos].set(k[0], mode="drop")
         cv = kv[1].at[layer_id, rows, write_pos].set(v[0], mode="drop")
         n, h = q.shape[2:]
         q_grid = jnp.zeros((R * width, n, h), q.dtype).at[grid].set(q[0], mode="drop")
-        out = attention(q_grid.reshape(R, width, n, h), ck[layer_id], cv[layer_id], mask)
+
+        def over(length):  # attention over the cache's first `length` positions
+            def run(q_grid, ck, cv):
+                sub = lambda c: jax.lax.dynamic_slice(  # noqa: E731
+                    c, (layer_id, 0, 0, 0, 0), (1, R, length) + c.shape[3:])[0]
+                return attention(q_grid.reshape(R, width, n, h), sub(ck), sub(cv),
+                                 mask[:, :, :length])
+            return run
+
+        out = jax.lax.switch(span, [over(length) for length in spans], q_grid, ck, cv)
         out = out.reshape(R * width, n, h)
         return out[jnp.minimum(grid, R * width - 1)][None], (ck, cv)
 
