@@ -160,7 +160,8 @@ def test_profile_file_errors(tmp_path):
 
 
 def test_a_stale_cached_profile_is_measured_again(engine_pair, measured, monkeypatch, tmp_path):
-    """The start-up cache: a damaged file in the cache is replaced by a new measurement."""
+    """The start-up cache: a damaged file in the cache is replaced by a new measurement, and a
+    profile cached by another version of the code is not used."""
     tcfg, tparams, dcfg, dparams = engine_pair[:4]
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     engine = Engine(tcfg, tparams, dcfg, dparams, slots=2, scheduler=SchedulerConfig("greedy"),
@@ -173,6 +174,11 @@ def test_a_stale_cached_profile_is_measured_again(engine_pair, measured, monkeyp
     assert profile.load(cached).spec.keys() == dataclasses.asdict(engine.profile)["spec"].keys()
     second = Engine(tcfg, tparams, dcfg, dparams, slots=2, scheduler=SchedulerConfig("greedy"), **SMALL)
     assert profile.resolve(second, None, True)[1] == f"cache {cached}"  # found, not measured
+    # Other code builds other programs: their round times are not this code's.
+    assert engine.profile.measured_on["code"] == profile.code_fingerprint()
+    monkeypatch.setattr(profile, "code_fingerprint", lambda: "0" * 16)
+    assert profile.cache_path(profile.engine_key(second)) != cached
+    assert profile._lookup(second, None, True) is None  # to be measured again
 
 
 def test_rounds_without_a_proposal_still_build_the_drafters_context(engine_pair):

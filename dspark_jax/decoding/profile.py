@@ -11,6 +11,7 @@ stores and caches.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -82,16 +83,31 @@ def _isotonic(table: dict[int, float]) -> dict[int, float]:
     return dict(zip(sorted(table), fitted))
 
 
+@functools.cache
+def code_fingerprint() -> str:
+    """A digest of the package's source. The rounds a profile times are programs this code builds,
+    and a change to it can change what they cost (at 32 slots on 2 CPU cores one release cut a
+    round without a proposal from 22 to 16 ms), so the start-up cache keeps one profile per
+    version of the code and never hands an engine the round times of another."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def measured_on(tcfg, dcfg, slots: int, max_len: int, context: int, mesh_shape: dict | None
                 ) -> dict:
-    """The key a profile is stored under: model shapes, slots, context, device."""
+    """The key a profile is stored under: model shapes, slots, context, device, and the code
+    that built the rounds (`code_fingerprint`)."""
     shapes = lambda cfg: None if cfg is None else {  # noqa: E731
         k: v for k, v in sorted(dataclasses.asdict(cfg).items())
         if isinstance(v, (int, float, str, bool, list, tuple))}
     device = jax.devices()[0]
     return _normal({"target": shapes(tcfg), "drafter": shapes(dcfg), "slots": slots, "max_len": max_len,
             "context": context, "device_kind": device.device_kind, "platform": device.platform,
-            "devices": len(jax.devices()), "mesh": mesh_shape, "jax": jax.__version__})
+            "devices": len(jax.devices()), "mesh": mesh_shape, "jax": jax.__version__,
+            "code": code_fingerprint()})
 
 
 def default_context(engine) -> int:
@@ -272,9 +288,13 @@ def check(profile: SpsProfile, expected: dict, spec_buckets, plain_buckets, wher
 
 
 def cache_path(expected: dict) -> Path:
-    """Where start-up profiles are cached: the user's cache directory, one file per key."""
+    """Where start-up profiles are cached: the user's cache directory, one file per key. The key
+    includes the jax version and the code's fingerprint: a cached profile describes the programs
+    that were timed, and an upgrade measures again. (A profile file named on the command line
+    is the user's choice and only has to match MATCH_KEYS.)"""
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dspark-jax" / "sps"
-    key = json.dumps({k: expected.get(k) for k in MATCH_KEYS + ("context",)}, sort_keys=True)
+    key = json.dumps({k: expected.get(k) for k in MATCH_KEYS + ("context", "jax", "code")},
+                     sort_keys=True)
     return root / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
