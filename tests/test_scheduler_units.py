@@ -402,6 +402,7 @@ def test_async_decision_stands_longer_while_it_repeats():
 
     rounds, searches = [], []
     policy = policies.AsyncPolicy(_cadence_engine(1.0, rounds))
+    policy.estimates[:], policy.prior[:] = 0.9, 0.9  # what the request's drafts were worth
     choose = policy.choose
     policy.choose = lambda live, rooms, **kw: searches.append(1) or choose(live, rooms, **kw)
     for _ in range(400):
@@ -485,6 +486,7 @@ def test_async_measures_the_overhead_between_dispatches():
     policy = policies.AsyncPolicy(_cadence_engine(1.0, rounds))
     policy.clock = lambda: now[0]
     policy.starting()
+    policy.estimates[:] = 0.9  # proposals pay
     for _ in range(200):
         policy.dispatch([0], lambda: [4])
         now[0] += 1.0 + 0.25  # the profile says 1.0 for every bucket
@@ -579,6 +581,7 @@ def test_async_a_stale_overhead_cannot_shut_a_kind_out():
     policy = policies.AsyncPolicy(_cadence_engine(1.6, rounds))
     policy.clock = lambda: now[0]
     policy.starting()
+    policy.estimates[:] = 0.9  # what the head says until the first proposal is read
     policy.overhead = {"spec": 0.0, "plain": 2.0}
     policy.overhead_weight = {"spec": 0.0, "plain": 1.0}
     kinds, took = [], {"spec": 1.6, "plain": 1.0}
@@ -609,6 +612,7 @@ def test_async_starts_every_generate_call_from_scratch():
     rounds = []
     policy = policies.AsyncPolicy(_cadence_engine(1.6, rounds))
     policy.starting()
+    policy.admitted(0)
     for t in range(60):
         policy.dispatch([0], lambda: [4])
         if t:
@@ -622,5 +626,44 @@ def test_async_starts_every_generate_call_from_scratch():
     policy.starting()
     assert policy.scale() == 1.0 and policy.overhead == overhead
     np.testing.assert_array_equal(policy.correction(), np.ones(4))
+    policy.admitted(0)
     policy.dispatch([0], lambda: [4])
-    assert rounds[-1] == ("topk", 5)  # the optimistic start: propose, and learn this call's drafts
+    assert rounds[-1][0] == "topk"  # the new request is probed: learn this call's drafts
+
+
+def test_async_probes_joiners_only_when_they_could_change_the_decision():
+    """Proposals priced out by what the requests so far drafted (survival 0.2 a position): a probe
+    for the requests that joined since only when, their mean worth JOINER_Z standard errors above
+    that prior, a proposal would pay. One joiner can be far better than the mean; the mean of
+    eight cannot, unless the requests' survival spreads widely."""
+    from types import SimpleNamespace
+
+    from dspark_jax.decoding import policies
+    from dspark_jax.decoding.state import RoundOutput
+
+    R, gamma = 8, 4
+    spec = {F: 2.0 for F in (2, 5, 16, 24, 40)}  # a proposal pays from 0.275 a position on
+    profile = SimpleNamespace(spec=spec, plain={1: 1.0, 8: 1.0})
+
+    def first_round(survival, live):
+        rounds = []
+        engine = SimpleNamespace(R=R, gamma=gamma, shape=SimpleNamespace(pending=16),
+                                 spec_buckets=sorted(spec), plain_buckets=[1, 8], profile=profile,
+                                 run_round=lambda key: rounds.append(key), flush=lambda: None)
+        policy = policies.AsyncPolicy(engine)
+        a = np.repeat(np.asarray(survival, np.float32)[:, None], gamma, 1)  # [R, γ]
+        zeros = np.zeros(R, np.int32)
+        policy.observe(RoundOutput(tokens=np.zeros((R, gamma + 1), np.int32), count=zeros + 1,
+                                   verified=zeros, accepted=zeros, finish=zeros,
+                                   was_active=np.ones(R, bool),
+                                   conf_logits=np.zeros((R, gamma), np.float32), survival=a), [])
+        for slot in live:  # the requests read above finished; these joined
+            policy.admitted(slot)
+        policy.dispatch(live, lambda: [gamma] * len(live))
+        return rounds[0][0]
+
+    narrow = [0.1, 0.1, 0.2, 0.2, 0.3, 0.3, 0.2, 0.2]  # mean 0.2, std 0.076
+    wide = [0.0, 0.0, 0.0, 0.0, 0.4, 0.4, 0.4, 0.4]  # mean 0.2, std 0.214
+    assert first_round(narrow, [0]) == "topk"  # 0.2 + 2 x 0.076: a proposal could pay
+    assert first_round(narrow, list(range(R))) == "plain"  # 0.2 + 2 x 0.076 / √8: it cannot
+    assert first_round(wide, list(range(R))) == "topk"  # 0.2 + 2 x 0.214 / √8: it could

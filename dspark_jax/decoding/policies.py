@@ -26,8 +26,13 @@ PROBE_MAX = 1024
 # async: a probe also when at least UNSEEN_SHARE of the live requests joined since the last
 # proposal. Their estimates are only the prior (what earlier requests' drafts were worth), and on a
 # mixed load the next request may draft far better or worse than the last one did: at one request
-# a math answer that speculation doubles can follow a chat answer it cannot help.
+# a math answer that speculation doubles can follow a chat answer it cannot help. But only when
+# the joiners could change the decision: when, with their mean worth JOINER_Z standard errors above
+# the prior (the spread of the requests' survival over the square root of their number), a
+# proposal would pay. Many joiners average out, so at high load the prior is a good enough mean and
+# the probe (two to three plain rounds' cost on 2 CPU cores at 32 requests) is not paid.
 UNSEEN_SHARE = 0.5
+JOINER_Z = 2.0
 # async: a decision stands for REDECIDE_EVERY rounds unless the number of live requests changes
 # (the survival estimates move slowly; searching every round costs the host more than it gains on
 # small rounds); each search that repeats the decision doubles that, up to REDECIDE_MAX.
@@ -142,7 +147,10 @@ class AsyncPolicy(Policy):
     requests on the bundled pair, 10.4 accepted drafts a round where the corrected estimates said
     15.4). So the search also scales every bucket's estimated drafts by what such prices have
     delivered: the accepted drafts of each round with a proposal over the sum of estimates the
-    search priced it with, decayed by DECAY a round, PRICE_PRIOR drafts at face value.
+    search priced it with, decayed by DECAY a round, PRICE_PRIOR drafts at face value. Probes
+    are left out: the search did not choose them for their estimates, and a call's first probe is
+    priced on none (every estimate is 0 until a proposal is read), which would have tripled the
+    scale after it.
 
     A proposal must promise MARGIN more tokens per second than the plain round to be chosen.
     The search takes the best of a dozen buckets priced with estimated survival, and the largest
@@ -187,8 +195,11 @@ class AsyncPolicy(Policy):
         Each `generate` call starts here: its requests are not the last call's, and the engine's
         drafter may have changed in between (the overheads describe the machine and stay)."""
         gamma, R = self.engine.gamma, self.engine.R
-        self.estimates = np.ones((R, gamma))  # per slot; optimistic before any is read
-        self.prior = np.ones(gamma)  # a new request's estimate: the last round's mean
+        # Per slot, and a new request's (the last read round's mean). Before any round is read
+        # they are 0: the joiners' probe (the spread is unknown) proposes first, and the decision
+        # made while it is in flight waits for its read rather than propose on no information.
+        self.estimates = np.zeros((R, gamma))
+        self.prior = np.zeros(gamma)
         self.predicted = np.zeros(gamma)  # decayed Σ a_j over verified drafts j
         self.observed = np.zeros(gamma)  # decayed Σ 1[draft j survived] over the same
         self.since_spec = 0  # rounds since the last proposal
@@ -202,8 +213,11 @@ class AsyncPolicy(Policy):
         self.after_probe = 0
         self.timed_probe = False  # that probe came from the PROBE_EVERY clock (not from joiners)
         self.unseen = np.zeros(R, bool)  # joined since the last proposal
+        self.joined = False  # a request joined since the last decision
+        self.spread = None  # [γ] std across requests of the last read proposal's survival
         self.pending = []  # round outputs read since the last decision
-        self.price = 0.0  # the estimated drafts the search priced the current decision's bucket at
+        # the estimated drafts the search priced the current decision's bucket at (None: a probe)
+        self.price = None
         self.priced = 0.0  # decayed Σ price over the rounds with a proposal read
         self.delivered = 0.0  # decayed Σ accepted drafts of the same rounds
 
@@ -222,7 +236,7 @@ class AsyncPolicy(Policy):
             self.plain_run = 0
         n = len(live)
         if self.last is None or self.last[2] != n or self.age >= self.hold or self.after_probe or \
-                self.since_spec >= self.probe_every or self._unseen(live):
+                self.since_spec >= self.probe_every or (self.joined and self._unseen(live)):
             self._decide(live, rooms)
         self.age += 1
         kind, F, _ = self.last
@@ -276,10 +290,25 @@ class AsyncPolicy(Policy):
         """At least UNSEEN_SHARE of the live requests have had no proposal yet."""
         return bool(self.unseen[live].sum() >= UNSEEN_SHARE * len(live))
 
+    def _joiners_matter(self, live, rooms) -> bool:
+        """Whether a proposal would pay were the unseen joiners' mean worth JOINER_Z standard
+        errors above the prior (always, before the spread across requests is known)."""
+        self._absorb()
+        if self.spread is None:
+            return True
+        unseen = self.unseen[live]
+        est = self.estimates[live].copy()
+        est[unseen] = self.prior + JOINER_Z * self.spread / np.sqrt(unseen.sum())
+        return self._search(est, len(live), rooms, probe=False)[0] == "spec"
+
     def _decide(self, live, rooms) -> None:
+        rooms = rooms()
         timed = self.since_spec >= self.probe_every
-        probe = timed or self._unseen(live)
-        kind, F = self.choose(live, rooms(), probe=probe)
+        probe = timed or (self._unseen(live) and self._joiners_matter(live, rooms))
+        self.joined = False
+        kind, F = self.choose(live, rooms, probe=probe)
+        if probe:  # not chosen for its estimates: the scale corrects the search's choices only
+            self.price = None
         if jax.process_count() > 1:  # the clock-based overhead differs between processes
             code, F = (int(v) for v in distributed.from_lead([KINDS.index(kind), F]))
             kind = KINDS[code]
@@ -297,20 +326,26 @@ class AsyncPolicy(Policy):
         self.last, self.age = decision, 0
 
     def choose(self, live, rooms, probe: bool = False) -> tuple[str, int]:
-        e = self.engine
         self._absorb()
-        if self.table is None or self.table[0] is not e.profile:
-            self.table = (e.profile, BucketTable({F: e.profile.spec[F] for F in e.spec_buckets},
-                                                 {F: e.profile.plain[F] for F in e.plain_buckets}))
-        est = self.estimates[live] * self.correction()
-        est = np.minimum.accumulate(np.minimum(est, 1.0), axis=1)  # survival never rises along j
-        est[np.arange(est.shape[1]) >= np.asarray(rooms)[:, None]] = 0.0
-        # A probe is a proposal whatever the estimates say, so that they stay current.
-        kind, F = self.table[1].choose(est, len(live), plain=not probe, overhead=self.overheads(),
-                                       margin=self.MARGIN, scale=self.scale())
+        kind, F, est = self._search(self.estimates[live], len(live), rooms, probe)
         if kind == "spec":  # the estimates of the F - n best candidates, before the scale
             self.price = float(np.sort(est, axis=None)[::-1][:F - len(live)].sum())
         return kind, F
+
+    def _search(self, estimates, n: int, rooms, probe: bool) -> tuple[str, int, np.ndarray]:
+        """The bucket for n live requests with these [n, γ] survival estimates; also returns
+        them corrected as the search priced them."""
+        e = self.engine
+        if self.table is None or self.table[0] is not e.profile:
+            self.table = (e.profile, BucketTable({F: e.profile.spec[F] for F in e.spec_buckets},
+                                                 {F: e.profile.plain[F] for F in e.plain_buckets}))
+        est = estimates * self.correction()
+        est = np.minimum.accumulate(np.clip(est, 0.0, 1.0), axis=1)  # survival never rises along j
+        est[np.arange(est.shape[1]) >= np.asarray(rooms)[:, None]] = 0.0
+        # A probe is a proposal whatever the estimates say, so that they stay current.
+        kind, F = self.table[1].choose(est, n, plain=not probe, overhead=self.overheads(),
+                                       margin=self.MARGIN, scale=self.scale())
+        return kind, F, est
 
     def overheads(self) -> dict[str, float]:
         """The overhead the search adds per kind: the measured one, else the other kind's; a
@@ -327,7 +362,7 @@ class AsyncPolicy(Policy):
         self.joins += 1  # prefilled before the next round: see `_time_round`
         self._absorb()  # rounds read so far may still describe the slot's previous request
         self.estimates[slot] = self.prior
-        self.unseen[slot] = True
+        self.unseen[slot] = self.joined = True
         # The decision stands: a joiner that keeps the live count only refreshes one slot's
         # estimate at the prior (a changed count is a new decision anyway).
 
@@ -359,7 +394,10 @@ class AsyncPolicy(Policy):
         seen = active.any(0)
         latest = m - 1 - np.argmax(active[::-1], axis=0)  # each slot's last active round
         self.estimates[seen] = a[latest[seen], np.flatnonzero(seen)]
-        self.prior = a[-1][active[-1]].mean(0)
+        rows = a[-1][active[-1]]
+        self.prior = rows.mean(0)
+        if len(rows) > 1:
+            self.spread = rows.std(0, ddof=1)
 
 
 def make_policy(engine) -> Policy:
