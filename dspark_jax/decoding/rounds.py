@@ -59,7 +59,13 @@ from dspark_jax.decoding.state import (
     Verified,
     calibrated,
 )
-from dspark_jax.models.drafter import DraftCache, extend_context, propose
+from dspark_jax.models.drafter import (
+    DraftCache,
+    context_kv,
+    extend_context,
+    propose,
+    write_context,
+)
 from dspark_jax.models.target import forward, forward_flat
 
 
@@ -168,21 +174,30 @@ def flush_pending(shape: EngineShape, state: EngineState, dparams, when: jax.Arr
     pending = state.pending
     if pending is None:
         return state
+    s, P = state.slots, pending.taps.shape[1]
+    offset = jnp.arange(P)
+    positions = s.length[:, None] - pending.count[:, None] + offset
 
-    def flush(width, state):  # the first `width` held-back positions of every slot
-        s, p = state.slots, state.pending
-        offset = jnp.arange(width)
-        dc = extend_context(dparams, shape.tcfg, shape.dcfg, state.draft_cache, p.taps[:, :width],
-                            s.length[:, None] - p.count[:, None] + offset,
-                            offset < p.count[:, None])
-        return state.replace(draft_cache=dc, pending=p.replace(count=jnp.zeros_like(p.count)))
+    def project(width):  # the first `width` held-back positions of every slot, padded to P
+        def run(taps):
+            k, v = context_kv(dparams, shape.tcfg, shape.dcfg, taps[:, :width], positions[:, :width])
+            pad = [(0, 0), (0, 0), (0, P - width), (0, 0), (0, 0)]
+            return jnp.pad(k, pad), jnp.pad(v, pad)
+        return run
 
-    widths = flush_widths(pending.taps.shape[1])
-    # The projection costs what it reads: the smallest width that holds every slot's count.
+    kv = jax.eval_shape(project(P), pending.taps)
+    nothing = lambda taps: tuple(jnp.zeros(x.shape, x.dtype) for x in kv)  # noqa: E731
+    widths = flush_widths(P)
+    # The projection costs what it reads: the smallest width that holds every slot's count. Only
+    # the new rows leave the switch: XLA copied a cache passed through the branches whole, keys
+    # and values, in every round with a proposal, most of which have nothing to flush.
     which = jnp.searchsorted(jnp.asarray(widths), jnp.max(pending.count))
     when = jnp.any(pending.count > 0) if when is None else when
-    branches = [lambda state: state] + [lambda state, w=w: flush(w, state) for w in widths]
-    return jax.lax.switch(jnp.where(when, 1 + which, 0), branches, state)
+    k_new, v_new = jax.lax.switch(jnp.where(when, 1 + which, 0),
+                                  [nothing] + [project(w) for w in widths], pending.taps)
+    dc = write_context(state.draft_cache, k_new, v_new, positions,
+                       when & (offset < pending.count[:, None]))
+    return state.replace(draft_cache=dc, pending=pending.replace(count=jnp.zeros_like(pending.count)))
 
 
 def flush_widths(pending: int) -> tuple[int, ...]:

@@ -371,22 +371,30 @@ class DraftCache:
         return DraftCache(k=axes, v=axes)
 
 
+def context_kv(dparams, tcfg: TargetConfig, dcfg: DrafterConfig, taps: jax.Array,
+               positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Every draft layer's keys and values [Ld, B, T, K, h] of new target features [B, T, m*d]
+    at `positions` [B, T] (the projected context; `write_context` puts them in the cache)."""
+    dp = cast_compute(dparams, dcfg)
+    h_ctx = context_features(dp, tcfg, taps)
+    return jax.vmap(lambda layer: layer_kv(layer, tcfg, h_ctx, positions))(dp["layers"])
+
+
+def write_context(cache: DraftCache, k_new: jax.Array, v_new: jax.Array, positions: jax.Array,
+                  valid: jax.Array) -> DraftCache:
+    """The cache with rows [Ld, B, T, K, h] written at `positions` [B, T] where `valid` (a donated
+    cache is written in place)."""
+    write = jnp.where(valid, positions, cache.k.shape[2])  # out of range: dropped
+    rows = jnp.arange(positions.shape[0])[:, None]
+    return DraftCache(k=cache.k.at[:, rows, write].set(k_new.astype(cache.k.dtype), mode="drop"),
+                      v=cache.v.at[:, rows, write].set(v_new.astype(cache.v.dtype), mode="drop"))
+
+
 def extend_context(dparams, tcfg: TargetConfig, dcfg: DrafterConfig, cache: DraftCache,
                    taps: jax.Array, positions: jax.Array, valid: jax.Array) -> DraftCache:
     """Writes the projected context of new target features [B, T, m*d] at `positions` [B, T]."""
-    dp = cast_compute(dparams, dcfg)
-    h_ctx = context_features(dp, tcfg, taps)
-    S = cache.k.shape[2]
-    write = jnp.where(valid, positions, S)  # out of range: dropped
-    rows = jnp.arange(taps.shape[0])[:, None]
-
-    def per_layer(layer):
-        return layer_kv(layer, tcfg, h_ctx, positions)
-
-    k_new, v_new = jax.vmap(per_layer)(dp["layers"])  # [Ld,B,T,K,h]
-    k = cache.k.at[:, rows, write].set(k_new.astype(cache.k.dtype), mode="drop")
-    v = cache.v.at[:, rows, write].set(v_new.astype(cache.v.dtype), mode="drop")
-    return DraftCache(k=k, v=v)
+    k_new, v_new = context_kv(dparams, tcfg, dcfg, taps, positions)
+    return write_context(cache, k_new, v_new, positions, valid)
 
 
 @struct.dataclass
