@@ -12,8 +12,10 @@ import tempfile  # noqa: E402
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="dspark-jax-cache-"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 # SPS profiles that engines measure at start-up are cached under the user's cache directory: keep
-# the tests' own (shared with their subprocesses) out of the real one.
-os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="dspark-jax-xdg-")
+# the tests' own out of the real one, one directory for the whole session (the xdist workers and
+# the subprocesses inherit it from the process that made it), so each profile is measured once.
+os.environ.setdefault("DSPARK_TEST_CACHE_HOME", tempfile.mkdtemp(prefix="dspark-jax-xdg-"))
+os.environ["XDG_CACHE_HOME"] = os.environ["DSPARK_TEST_CACHE_HOME"]
 
 from pathlib import Path
 

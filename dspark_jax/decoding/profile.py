@@ -217,10 +217,11 @@ def _read(packed) -> None:
 
 
 def save(profile: SpsProfile, path: str | os.PathLike) -> Path:
-    """Writes the profile as JSON (atomically: a temporary file renamed into place)."""
+    """Writes the profile as JSON (atomically: a temporary file of this process renamed into
+    place, so that processes sharing a cache directory never see each other's half-written file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(profile.to_json(), indent=1) + "\n")
     os.replace(tmp, path)
     return path
