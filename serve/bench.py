@@ -192,8 +192,8 @@ def concurrency(args, command: str) -> dict:
     per_file, bad = [], 0
     for path in args.prompts:
         requests, _, errors = cli.read_requests(Path(path), tokenizer, probe.check_request,
-                                                max_new_tokens=1)
-        per_file.append(requests[:args.limit] if args.limit else requests)
+                                                max_new_tokens=1, limit=args.limit)
+        per_file.append(requests)
         bad += len(errors)
     del probe
     # Round-robin over the files, so that every level's requests mix the domains alike (in file

@@ -237,7 +237,7 @@ def scheduler_config(args):
 
 
 def read_requests(path: Path, tokenizer, check, *, max_new_tokens: int, temperature: float = 0.0,
-                  top_p: float = 1.0, top_k: int = 0, enable_thinking: bool = False):
+                  top_p: float = 1.0, top_k: int = 0, enable_thinking: bool = False, limit: int = 0):
     """(requests, prompt texts by id, errors) at these settings for every record (a record's own
     sampling keys are not read): `read_prompt_file` without per-record settings."""
     from dspark_jax.formats.generation_config import SamplingSettings
@@ -245,25 +245,28 @@ def read_requests(path: Path, tokenizer, check, *, max_new_tokens: int, temperat
     settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k,
                                 max_new_tokens=max_new_tokens)
     requests, prompts, errors = read_prompt_file(path, tokenizer, check, settings, per_record=False,
-                                                 enable_thinking=enable_thinking)
+                                                 enable_thinking=enable_thinking, limit=limit)
     return requests, {rid: text for rid, (text, _) in prompts.items()}, errors
 
 
 def read_prompt_file(path: Path, tokenizer, check, defaults, *, per_record: bool = True,
-                     enable_thinking: bool = False, quiet: bool = False):
+                     enable_thinking: bool = False, quiet: bool = False, limit: int = 0):
     """(requests, {id: (prompt text, SamplingSettings)}, errors): every line is handled on its own;
     a bad one is reported on stderr with its file and line and skipped. `defaults`: the
     SamplingSettings of a record that names none of its own (with `per_record`, a record's
     temperature, top_p, top_k, max_new_tokens, stop and seed override them). `check(request)`
     raises for a request the engine cannot serve. Stop ids: the tokenizer's. `enable_thinking` goes
     to the chat template (off by default, as DeepSpec's evaluator). `quiet`: bad records are only
-    returned, not printed (the processes of a job other than the first)."""
+    returned, not printed (the processes of a job other than the first). `limit` > 0: reading stops
+    at that many requests (the records after them are not read, so not reported either)."""
     from dspark_jax.decoding.engine import Request
     from dspark_jax.formats.records import encode_prompt_record, iter_jsonl
 
     requests, prompts, errors = [], {}, []
     path = Path(path)
     for line_no, obj in iter_jsonl(path):
+        if limit and len(requests) >= limit:
+            break
         where = f"{path}:{line_no}"
         try:
             if isinstance(obj, DSparkError):

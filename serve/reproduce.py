@@ -196,8 +196,7 @@ class Models:
             reqs, _, _ = cli.read_requests(Path(bundled.PROMPTS[domain]), self.tokenizer,
                                            engine.check_request,
                                            max_new_tokens=self.args.max_new_tokens,
-                                           temperature=temperature)
-            reqs = reqs[:self.args.limit] if self.args.limit else reqs
+                                           temperature=temperature, limit=self.args.limit)
             out += [dataclasses.replace(r, id=f"{domain}/{r.id}") for r in reqs]
         return out
 

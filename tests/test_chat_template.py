@@ -224,3 +224,21 @@ def test_serve_prompt_files_switch_thinking(ours: Tokenizer, tmp_path: Path) -> 
                                                 enable_thinking=thinking)
         assert not errors and texts["q"].endswith("<think>\n\n</think>\n\n") is not thinking
         assert list(reqs[0].prompt_ids) == encode_chat_prompt(ours, messages, enable_thinking=thinking)
+
+
+def test_prompt_file_limit_stops_reading(ours: Tokenizer, tmp_path: Path, capsys) -> None:
+    """--limit N (serve.bench, train.calibrate): the first N usable prompts; a bad record before
+    them is reported and skipped, and the records after them are not read, so not reported."""
+    from serve import cli
+
+    path = tmp_path / "p.jsonl"
+    lines = [{"id": "a", "turns": ["one"]}, {"id": "b"}, {"id": "c", "turns": ["two"]},
+             {"id": "d", "turns": ["three"]}]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n{not json\n")
+    reqs, _, errors = cli.read_requests(path, ours, lambda r: None, max_new_tokens=4, limit=2)
+    assert [r.id for r in reqs] == ["a", "c"]
+    assert len(errors) == 1 and f"{path}:2" in errors[0]
+    assert f"{path}:2" in capsys.readouterr().err
+    everything, _, errors = cli.read_requests(path, ours, lambda r: None, max_new_tokens=4)
+    assert [r.id for r in everything] == ["a", "c", "d"]
+    assert len(errors) == 2 and f"{path}:5" in errors[1]

@@ -87,8 +87,7 @@ def main(argv=None) -> int:
         for path in args.prompts:
             reqs, _, _ = cli.read_requests(Path(path), tokenizer, engine.check_request,
                                            max_new_tokens=args.max_new_tokens,
-                                           temperature=args.temperature)
-            reqs = reqs[:args.limit] if args.limit else reqs
+                                           temperature=args.temperature, limit=args.limit)
             requests += [dataclasses.replace(r, id=f"{Path(path).stem}/{r.id}") for r in reqs]
         if len(requests) < 2:
             raise DSparkError(f"{len(requests)} usable prompts; calibration needs at least 2")
