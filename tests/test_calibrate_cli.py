@@ -35,7 +35,7 @@ def calibrated(tiny_pair, prompts, tmp_path_factory):
     target, _, drafter = tiny_pair
     out = tmp_path_factory.mktemp("calibration")
     proc = run("train.calibrate", "--target", target, "--drafter", drafter, "--prompts", prompts,
-               "--out", out, "--max-new-tokens", 48, "--temperature", 1, *SIZES)
+               "--out", out, "--max-new-tokens", 48, "--temperature", 1, "--splits", 2, *SIZES)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc, out
 
@@ -55,6 +55,16 @@ def test_calibration_writes_temperatures_report_and_diagram(calibrated):
     assert all(0 <= v <= 1 for key in ("ece_before", "ece_after", "brier") for v in report[key])
     assert (out / "reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "mean ECE before" in proc.stdout and f"wrote {out / 'sts.json'}" in proc.stdout
+    # --splits 2: the written calibration is the first split's; the second one is measured beside
+    first, second = report["splits"]
+    assert (first["seed"], second["seed"]) == (0, 1)
+    assert first["mean_ece_after"] == report["mean_ece_after"]
+    assert first["temperatures"] == sts["temperatures"] == report["temperatures"]
+    assert first["rounds_eval"] == report["rounds_eval"]
+    assert first["max_auc_shift"] == pytest.approx(max(
+        abs(a - b) for a, b in zip(report["auc"], report["auc_before"]) if a is not None and b is not None))
+    assert second["rounds_fit"] + second["rounds_eval"] == first["rounds_fit"] + first["rounds_eval"]
+    assert "2 random splits of the same rounds:" in proc.stdout
 
 
 def test_decode_applies_the_calibration_and_refuses_a_wrong_one(tiny_pair, calibrated, prompts,
@@ -80,7 +90,8 @@ def test_calibrate_flag_errors(tmp_path):
     afile = tmp_path / "file"
     afile.write_text("x")
     for flags, message in [(["--eval-fraction", "1.5"], "--eval-fraction 1.5: must be in (0, 1)"),
-                           (["--max-new-tokens", "1"], "--max-new-tokens 1: must be >= 2")]:
+                           (["--max-new-tokens", "1"], "--max-new-tokens 1: must be >= 2"),
+                           (["--splits", "0"], "--splits 0: must be >= 1")]:
         proc = run("train.calibrate", "--target", tmp_path, "--drafter", tmp_path, "--prompts",
                    afile, *flags, timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr

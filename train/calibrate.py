@@ -2,7 +2,7 @@
 
     python -m train.calibrate --target DIR --drafter DIR --prompts FILE [FILE ...] [--out DIR]
         [--eval-fraction 0.3] [--temperature T] [--max-new-tokens N] [--limit N] [--slots R]
-        [--method sts-bias|sts]
+        [--method sts-bias|sts] [--splits K]
 
 Decodes the prompts with the whole block verified (fixed(γ): every position observed) at the
 serving temperature, recording each round's raw confidence logits and how many drafts survived.
@@ -15,6 +15,11 @@ for why). Writes into --out (default: the drafter's directory):
                     their before-STS values), with mean_ece_after; ece_floor, the ECE a perfectly
                     calibrated head would show on as many rounds
   reliability.png   reliability diagrams before and after, per position
+
+--splits K (K > 1) fits and measures again on K - 1 more random splits of the same decoded rounds
+(seeds --seed + 1 ...) and prints a line per split: how much the held-out figures (mean ECE, the
+largest AUC shift) owe to which prompts were held out. sts.json and the report stay the first
+split's; calibration.json lists every split under "splits".
 """
 
 import argparse
@@ -40,6 +45,9 @@ def parse_args(argv):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=0, help="at most this many prompts per file")
     ap.add_argument("--bins", type=int, default=10, help="equal-width ECE bins")
+    ap.add_argument("--splits", type=int, default=1,
+                    help="random fit/held-out splits of the decoded rounds to measure (the first "
+                         "one's calibration is written)")
     ap.add_argument("--method", choices=("sts-bias", "sts"), default="sts-bias",
                     help="sts-bias: a temperature and a bias per position (default); sts: the paper's "
                          "temperatures alone")
@@ -53,9 +61,23 @@ def parse_args(argv):
         problems.append(f"--max-new-tokens {args.max_new_tokens}: must be >= 2")
     if args.limit < 0 or args.bins < 2:
         problems.append("--limit must be >= 0 and --bins >= 2")
+    if args.splits < 1:
+        problems.append(f"--splits {args.splits}: must be >= 1")
     if problems:
         ap.error("; ".join(problems))
     return args
+
+
+def split_summary(seed: int, fitted) -> dict:
+    """One split's held-out figures: mean ECE before, after and its floor, and the largest AUC
+    shift over the positions where AUC is defined."""
+    report = fitted.report
+    shifts = [abs(a - b) for a, b in zip(report["auc"], report["auc_before"])
+              if a is not None and b is not None]
+    return {"seed": seed, "rounds_fit": fitted.fit_rounds, "rounds_eval": len(fitted.held_out[0]),
+            **{f"mean_ece_{w}": report[f"mean_ece_{w}"] for w in ("before", "after", "floor")},
+            "max_auc_shift": max(shifts, default=0.0),
+            "temperatures": list(fitted.sts.temperatures), "biases": list(fitted.sts.biases)}
 
 
 def main(argv=None) -> int:
@@ -99,11 +121,14 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        fitted = calibration.fit_on_results(results, eval_fraction=args.eval_fraction, seed=args.seed,
-                                            bins=args.bins, method=args.method)
+        fits = [calibration.fit_on_results(results, eval_fraction=args.eval_fraction, seed=seed,
+                                           bins=args.bins, method=args.method)
+                for seed in range(args.seed, args.seed + args.splits)]
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    fitted = fits[0]
+    splits = [split_summary(seed, f) for seed, f in enumerate(fits, start=args.seed)]
     sts, report = fitted.sts, fitted.report
     temps, biases = sts.temperatures, sts.biases
     z_eval, ell_eval, k_eval = fitted.held_out
@@ -115,7 +140,8 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     calibration.save_sts(out_dir / "sts.json", sts, mean_ece_after=report["mean_ece_after"], **info)
     (out_dir / "calibration.json").write_text(json.dumps(
-        {**info, "temperatures": list(temps), "biases": list(biases), **report}, indent=2) + "\n")
+        {**info, "temperatures": list(temps), "biases": list(biases), **report,
+         **({"splits": splits} if args.splits > 1 else {})}, indent=2) + "\n")
     calibration.reliability_diagram(z_eval, ell_eval, k_eval, temps, out_dir / "reliability.png",
                                     biases=biases,
                                     bins=args.bins, title=f"{args.drafter}: held-out rounds")
@@ -130,6 +156,14 @@ def main(argv=None) -> int:
     print(f"mean ECE before {report['mean_ece_before']:.4f}, after {report['mean_ece_after']:.4f}, "
           f"floor {report['mean_ece_floor']:.4f} (a perfectly calibrated head on as many rounds) "
           f"({len(z_eval)} held-out rounds from {held} prompts; fitted on {z_fit} rounds)")
+    if args.splits > 1:
+        print(f"{args.splits} random splits of the same rounds:")
+        print(f"{'seed':>5} {'rounds fit':>10} {'held out':>8} {'ece before':>10} {'ece after':>9} "
+              f"{'ece floor':>9} {'largest |auc shift|':>19}")
+        for s in splits:
+            print(f"{s['seed']:>5} {s['rounds_fit']:>10} {s['rounds_eval']:>8} "
+                  f"{s['mean_ece_before']:>10.4f} {s['mean_ece_after']:>9.4f} "
+                  f"{s['mean_ece_floor']:>9.4f} {s['max_auc_shift']:>19.4f}")
     print(f"wrote {out_dir / 'sts.json'}, {out_dir / 'calibration.json'}, {out_dir / 'reliability.png'}")
     return 0
 
