@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import xla_flags
+
 REPO = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
 LEVELS, SCHEDULERS = (1, 2), ("plain", "fixed", "async")
@@ -21,7 +23,7 @@ MD_HEADER = "| c | T | plain | fixed | async | async budget | async / best | asy
 
 def bench_cli(*args, timeout=600) -> subprocess.CompletedProcess:
     """Runs the benchmark; the compilation and SPS caches are inherited from conftest."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(1),
                JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     return subprocess.run([sys.executable, "-m", "serve.bench", *map(str, args)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=timeout, check=False)

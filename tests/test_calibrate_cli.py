@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import xla_flags
+
 REPO = Path(__file__).resolve().parents[1]
 SIZES = ["--slots", "4", "--max-len", "96", "--prefill-buckets", "96"]
 ASKS = ["Count from 3 to 17.", "Repeat 'green river' 4 times.", "Continue the pattern: a b c d",
@@ -16,7 +18,7 @@ ASKS = ["Count from 3 to 17.", "Repeat 'green river' 4 times.", "Continue the pa
 
 
 def run(module, *args, timeout=600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(1),
                JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)

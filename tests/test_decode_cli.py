@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import xla_flags
+
 REPO = Path(__file__).resolve().parents[1]
 SLOTS, MAX_LEN, MAX_NEW, BLOCK = 4, 96, 12, 4  # BLOCK: the dspark-tiny drafter's block size
 SIZES = ["--slots", str(SLOTS), "--max-len", str(MAX_LEN), "--prefill-buckets", f"32,{MAX_LEN}",
@@ -48,7 +50,7 @@ WORDS = "apple silver cat dog red blue".split()
 
 def decode_cli(*args, timeout=600) -> subprocess.CompletedProcess:
     """Runs the decode command; the persistent compilation cache is inherited from conftest."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(1),
                JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     return subprocess.run([sys.executable, "-m", "serve.decode", *map(str, args)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=timeout)
@@ -541,7 +543,7 @@ def test_interrupted_run_keeps_its_finished_results(pair, tok, tmp_path, sig, co
                             for i in range(n)))
     out = tmp_path / "out.jsonl"
     partial = Path(f"{out}.partial")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(1),
                JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-c", DECODE_WITH_SIGINT,
                              *map(str, plain_args(pair, path, out, "--max-new-tokens", "48"))],

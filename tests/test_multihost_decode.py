@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import gloo_available
+from tests.conftest import gloo_available, xla_flags
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_IDS = ("math:14", "math:315", "function:inspect.isasyncgenfunction", "module:smtpd")
@@ -68,7 +68,7 @@ def run_job(name: str, root: Path, num_processes: int, devices_per_process: int,
     for attempt in range(3):
         port = free_port()
         environ = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu",
-                       XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
+                       XLA_FLAGS=xla_flags(devices_per_process),
                        **(env or {}))
         out, metrics = root / f"{name}.jsonl", root / f"{name}.metrics.json"
         logs = [root / f"{name}.p{i}.log" for i in range(num_processes)]

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import gloo_available
+from tests.conftest import gloo_available, xla_flags
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "multiprocess_worker.py"
@@ -74,7 +74,7 @@ class Job:
         # dspark_jax is installed.
         path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
         env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu", PYTHONPATH=path,
-                   XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
+                   XLA_FLAGS=xla_flags(devices_per_process))
         self.outs = [root / f"{name}.p{i}.json" for i in range(num_processes)]
         self.logs = [root / f"{name}.p{i}.log" for i in range(num_processes)]
         self.procs = []

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from dspark_jax.decoding import regenerate as rg
+from tests.conftest import xla_flags
 
 REPO = Path(__file__).resolve().parents[1]
 SLOTS, MAX_LEN, MAX_NEW = 4, 256, 10
@@ -26,7 +27,7 @@ GREEDY = rg.Sampling(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=MAX_NEW
 
 
 def cli(*args, timeout=300) -> subprocess.Popen:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(1),
                JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, "-m", "train.regenerate", *map(str, args)], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
