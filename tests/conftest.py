@@ -54,6 +54,28 @@ def gloo_available() -> bool:
 GOLDEN = SHARED / "reference" / "golden"
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """The directory `name` that `build(directory)` fills, built once per test session: the xdist
+    workers share the session's base temporary directory, and the first worker to ask builds it
+    under a file lock while the others wait (the trained fixtures cost a minute each on 2 cores).
+    A build that failed (no marker) is retried by the next worker to ask."""
+    import fcntl
+    import shutil
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the session's directory, above each worker's own
+    directory, done = base / name, base / f"{name}.done"
+    with open(base / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir()
+            build(directory)
+            done.touch()
+    return directory
+
+
 def make_hf_qwen3(directory: Path, *, seed: int = 0, vocab: int = 96, hidden: int = 32,
                   layers: int = 3, heads: int = 4, kv_heads: int = 2, head_dim: int = 8,
                   intermediate: int = 48, tied: bool = False, max_shard_size=None) -> Path:
@@ -102,27 +124,30 @@ def tiny_target(tmp_path_factory):
     from dspark_jax.config import load_config, preset_path
     from dspark_jax.training.synthetic import write_synthetic_conversations
 
-    root = tmp_path_factory.mktemp("tiny_target")
-    data = write_synthetic_conversations(root / "train.jsonl", 96, seed=0)
-    texts = [m["content"] for line in data.read_text().splitlines()
-             for m in json.loads(line)["conversations"]]
-    t = load_config(preset_path("tiny")).target
-    target = make_hf_qwen3(root / "target", seed=11, vocab=t.vocab_size, hidden=t.hidden_size,
-                           layers=t.num_hidden_layers, heads=t.num_attention_heads,
-                           kv_heads=t.num_key_value_heads, head_dim=t.head_dim,
-                           intermediate=t.intermediate_size)
-    cfg = json.loads((target / "config.json").read_text())
-    cfg["rope_parameters"]["rope_theta"] = t.rope_theta
-    cfg["max_position_embeddings"] = t.max_position_embeddings
-    (target / "config.json").write_text(json.dumps(cfg))
-    from dspark_jax.formats.tokenizer import train_bpe_tokenizer
+    def build(root: Path) -> None:
+        data = write_synthetic_conversations(root / "train.jsonl", 96, seed=0)
+        texts = [m["content"] for line in data.read_text().splitlines()
+                 for m in json.loads(line)["conversations"]]
+        t = load_config(preset_path("tiny")).target
+        target = make_hf_qwen3(root / "target", seed=11, vocab=t.vocab_size, hidden=t.hidden_size,
+                               layers=t.num_hidden_layers, heads=t.num_attention_heads,
+                               kv_heads=t.num_key_value_heads, head_dim=t.head_dim,
+                               intermediate=t.intermediate_size)
+        cfg = json.loads((target / "config.json").read_text())
+        cfg["rope_parameters"]["rope_theta"] = t.rope_theta
+        cfg["max_position_embeddings"] = t.max_position_embeddings
+        (target / "config.json").write_text(json.dumps(cfg))
+        from dspark_jax.formats.tokenizer import train_bpe_tokenizer
 
-    train_bpe_tokenizer(texts, t.vocab_size, target)
-    # Stop ids as Qwen3's own generation_config lists them: <|im_end|> (2) ends a chat turn,
-    # <|endoftext|> (0) a document.
-    gen = json.loads((target / "generation_config.json").read_text())
-    (target / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [2, 0]}))
-    return fit_on_data(target, data, t, steps=300), data
+        train_bpe_tokenizer(texts, t.vocab_size, target)
+        # Stop ids as Qwen3's own generation_config lists them: <|im_end|> (2) ends a chat turn,
+        # <|endoftext|> (0) a document.
+        gen = json.loads((target / "generation_config.json").read_text())
+        (target / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [2, 0]}))
+        fit_on_data(target, data, t, steps=300)
+
+    root = built_once(tmp_path_factory, "tiny_target", build)
+    return root / "target", root / "train.jsonl"
 
 
 @pytest.fixture(scope="session")
@@ -167,15 +192,18 @@ def tiny_pair(tiny_target, tmp_path_factory):
     from dspark_jax.training import trainer
 
     target, data = tiny_target
-    root = tmp_path_factory.mktemp("tiny_pair")
-    cfg = load_config(preset_path("dspark-tiny"), [
-        f"train.target_dir={target}", f"train.data_file={data}", f"train.workdir={root / 'run'}",
-        "train.max_steps=150", "train.checkpoint_every=100000", "mesh.data=1"])
-    assert trainer.run(cfg)["step"] == 150
-    cfg, params, _ = trainer.load_drafter_params(root / "run")
-    _, target_params = trainer.load_target_for(cfg, None)
-    drafter = deepspec.save_drafter(params, cfg.target, cfg.drafter, target_params, root / "drafter")
-    return target, root / "run", drafter
+
+    def build(root: Path) -> None:
+        cfg = load_config(preset_path("dspark-tiny"), [
+            f"train.target_dir={target}", f"train.data_file={data}", f"train.workdir={root / 'run'}",
+            "train.max_steps=150", "train.checkpoint_every=100000", "mesh.data=1"])
+        assert trainer.run(cfg)["step"] == 150
+        cfg, params, _ = trainer.load_drafter_params(root / "run")
+        _, target_params = trainer.load_target_for(cfg, None)
+        deepspec.save_drafter(params, cfg.target, cfg.drafter, target_params, root / "drafter")
+
+    root = built_once(tmp_path_factory, "tiny_pair", build)
+    return target, root / "run", root / "drafter"
 
 
 @pytest.fixture(scope="session")
