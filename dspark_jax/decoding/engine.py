@@ -127,7 +127,8 @@ class Engine:
         self.shape = EngineShape(tcfg=tcfg, dcfg=dcfg, slots=slots, max_len=max_len,
                                  max_stop_ids=max_stop_ids, scheduler=scheduler,
                                  sts=sts,
-                                 acceptance=acceptance, logprobs=logprobs, pending=pending_context)
+                                 acceptance=acceptance, logprobs=logprobs, pending=pending_context,
+                                 one_device=mesh is None)
         self.tcfg, self.tparams, self.dcfg, self.dparams = tcfg, target_params, dcfg, drafter_params
         self.R, self.S, self.scheduler, self.NS = slots, max_len, scheduler, max_stop_ids
         self.gamma, self.W, self.max_verify = self.shape.gamma, self.shape.width, self.shape.max_verify

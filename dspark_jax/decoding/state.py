@@ -47,6 +47,9 @@ class EngineShape:
     acceptance: Callable = accept  # the rule; replaceable only to test that tests can fail
     logprobs: int = 0  # N > 0: every committed token's target logprob and the top N; 0 = off
     pending: int = PENDING  # rounds without a proposal a slot's PendingContext holds
+    # The programs run on one device, not a mesh: rounds without a proposal then write the held-back
+    # features in place (a scatter declared unique, see `dspark_commit_context`).
+    one_device: bool = False
 
     @property
     def gamma(self) -> int:
