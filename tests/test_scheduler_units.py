@@ -547,6 +547,30 @@ def test_async_overhead_counts_its_first_measurement_whole():
     assert policy.overheads() == pytest.approx({"spec": 1.5, "plain": 0.3}, rel=1e-6)
 
 
+def test_async_overhead_corrects_a_profile_that_overstates_the_rounds():
+    """A profile measured on a busy machine (1 s a round) where plain rounds now take 0.7 s: their
+    figure goes to -0.3 s, so the search prices them at what they cost; rounds far faster than
+    profiled are taken at half their profile at most."""
+    kinds = ["plain"] * 40
+    for _, policy in _replay_dispatches(kinds, {"spec": 1.0, "plain": 0.7}):
+        pass
+    assert policy.overheads()["plain"] == pytest.approx(-0.3, rel=1e-6)
+    for _, policy in _replay_dispatches(kinds, {"spec": 1.0, "plain": 0.1}):
+        pass
+    assert policy.overheads()["plain"] == pytest.approx(-policy.OVERHEAD_FLOOR, rel=1e-6)
+
+
+def test_choose_bucket_negative_overhead_makes_the_plain_round_win():
+    """Plain rounds faster than profiled beat a proposal the profile alone would choose; a negative
+    figure never prices a bucket below half its profiled time."""
+    table = BucketTable({2: 1.0}, {1: 1.0})
+    est = np.full((1, 1), 0.3)  # the proposal: 1.3 tokens a round
+    assert table.choose(est, 1) == ("spec", 2)
+    assert table.choose(est, 1, overhead={"plain": -0.3}) == ("plain", 1)  # 1 / 0.7 > 1.3 / 1
+    # -5 s would make the plain round free; it is taken at 0.5 s, and so is the proposal
+    assert table.choose(est, 1, overhead={"spec": -5.0, "plain": -5.0}) == ("spec", 2)
+
+
 def test_async_does_not_sample_an_interval_that_waited_for_a_prefill():
     """Plain rounds that take 0.2 s more than profiled; every fifth dispatch admits a request
     whose prefill (3 s) the next interval also waits for. The prefills are left out: the plain

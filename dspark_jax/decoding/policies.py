@@ -122,13 +122,20 @@ class AsyncPolicy(Policy):
     dispatches t+2: the time between those two dispatches is round t's wall time (not t+1's:
     attributing it to the round just dispatched charges a proposal's cost to the plain round after
     it, and the other way round, which makes sparse proposals look free). That time minus round t's
-    profiled time, clipped to [0, OVERHEAD_CAP x that time] (an idle gap is not a cost of the
-    round), is averaged with weight OVERHEAD_DECAY per round (of either kind: a figure not
+    profiled time, clipped to [-OVERHEAD_FLOOR, OVERHEAD_CAP] x that time (an idle gap is not a
+    cost of the round), is averaged with weight OVERHEAD_DECAY per round (of either kind: a figure not
     refreshed for long counts for little against a new sample), bias-corrected (the weights' sum
     divides, so the first measurement counts whole: an average started at 0 would take the rare
     proposals of a plain-heavy load for free for dozens of rounds); the search adds
     it to that kind's buckets. A kind not yet run borrows the other kind's figure, and before
     either has run the profile's word stands.
+
+    The figure may also be negative, down to -OVERHEAD_FLOOR x the profiled time: rounds that run
+    faster than their profile says. A profile is measured once and cached, and one measured while
+    the machine was busy overstates every round it times, unevenly: on 2 CPU cores, one measured
+    beside a benchmark priced the plain round at 16 slots 23.4 ms where the engine's rounds then
+    took 15-16 ms, while its proposal rounds were off by less, so the search proposed in rounds
+    that lost (async at 0.87-0.95x plain decoding). Clipped at 0, nothing corrected it.
 
     An interval that also waited for a prefill (the requests admitted with round t+1 are prefilled
     on the device between rounds t and t+1) is not a sample. The prefills are the workload's, the
@@ -168,6 +175,7 @@ class AsyncPolicy(Policy):
     PRIOR = 8.0
     OVERHEAD_DECAY = 0.9
     OVERHEAD_CAP = 2.0
+    OVERHEAD_FLOOR = 0.5
     STALE_ROUNDS = 64
     MARGIN = 0.05
     PRICE_PRIOR = 16.0
@@ -273,7 +281,8 @@ class AsyncPolicy(Policy):
         now = self.clock()
         if len(self.dispatched) == 2 and not self.prefilled:
             (_, expected, waited), (then, _, _) = self.dispatched
-            extra = min(max(now - then - expected, 0.0), self.OVERHEAD_CAP * expected)
+            extra = min(max(now - then - expected, -self.OVERHEAD_FLOOR * expected),
+                        self.OVERHEAD_CAP * expected)
             # decayed by every round since the kind's last sample, not by its own rounds only:
             # a figure not refreshed for long counts for little against the new one
             kept = self.OVERHEAD_DECAY ** (self.timed - self.sampled_at[waited]) * \

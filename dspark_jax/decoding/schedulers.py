@@ -186,18 +186,20 @@ class BucketTable:
         `scale`: the accepted drafts a bucket is expected to add, as a multiple of the sum of its
         estimates (what such sums have delivered lately)."""
         overhead = overhead or {}
-        extra_spec, extra_plain = overhead.get("spec", 0.0), overhead.get("plain", 0.0)
+        # A negative overhead (rounds faster than profiled) takes at most half of any bucket's time.
+        spec_s = np.maximum(self.spec_s + overhead.get("spec", 0.0), 0.5 * self.spec_s)
+        plain_s = np.maximum(self.plain_s + overhead.get("plain", 0.0), 0.5 * self.plain_s)
         pool = -np.sort(-np.clip(np.ravel(estimates), 0.0, 1.0))
         gain = scale * np.concatenate([[0.0], np.cumsum(pool)])
         fits = self.spec_F > num_live
         best = ("spec", int(self.spec_F[-1]), -1.0)
         if fits.any():
             F = self.spec_F[fits]
-            theta = (num_live + gain[np.minimum(F - num_live, len(pool))]) / (self.spec_s[fits] + extra_spec)
+            theta = (num_live + gain[np.minimum(F - num_live, len(pool))]) / spec_s[fits]
             i = int(np.argmax(theta))
             best = ("spec", int(F[i]), float(theta[i]))
         if plain and len(self.plain_F):
             i = int(np.searchsorted(self.plain_F, num_live))
-            if (1.0 + margin) * num_live / (self.plain_s[i] + extra_plain) >= best[2]:
+            if (1.0 + margin) * num_live / plain_s[i] >= best[2]:
                 return "plain", int(self.plain_F[i])
         return best[0], best[1]
