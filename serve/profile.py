@@ -7,7 +7,9 @@ Fills every slot with a prompt of --context tokens (default: a quarter of the co
 real engine's round with a proposal (propose, fill the bucket, verify, commit) for every
 verification bucket it compiles and the round without one for every anchor bucket: two untimed
 rounds, then back-to-back rounds for at least --min-ms (or until the context is full), the median
-over --trials of the mean round time. Writes a JSON table keyed by
+over --trials of the mean round time; a table that contradicts itself (a smaller bucket slower
+than a larger one, a plain round slower than a proposal round) was disturbed, and gets up to two
+more passes of --trials, the medians taken over all. Writes a JSON table keyed by
 what it was measured on (model shapes, slots, context, device); serve.decode --sps FILE uses it.
 """
 

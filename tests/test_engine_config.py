@@ -108,6 +108,42 @@ def test_a_measured_profile_times_every_compiled_bucket(async_engine, measured):
     assert table[3] == 1 / prof.spec[4] and table[-1] == 1 / prof.spec[async_engine.spec_buckets[-1]]
 
 
+def test_a_profile_that_contradicts_itself_is_measured_again(async_engine, monkeypatch):
+    """A pass whose table contradicts the rounds' work (a smaller bucket slower, plain slower than
+    a proposal) is followed by more passes, up to `extra_passes`, and the medians span them all."""
+    e = async_engine
+    passes = []
+
+    def fake_pass(engine, programs, fillers, trials, most, min_seconds, shared, means, rounds):
+        disturbed = not passes  # the first pass: every smaller bucket 3x slower, so out of order
+        passes.append(disturbed)
+        for kind, program, F in programs:
+            base = (2.0 if kind == "spec" else 1.0) + F / 1000
+            means[kind, program, F] += [base * (3.0 if disturbed and F < max(
+                e.spec_buckets if kind == "spec" else e.plain_buckets) else 1.0)] * trials
+            rounds.append(3)
+
+    monkeypatch.setattr(profile, "_measure_pass", fake_pass)
+    monkeypatch.setattr(profile, "loop_overhead", lambda *a: 0.0)
+    prof = profile.measure(e, trials=2, context=16)
+    assert passes == [True, False, False]  # the 50/50 median of two passes still contradicted
+    assert not profile.inconsistent(prof.spec, prof.plain)
+    assert prof.plain[1] == pytest.approx(1.001)
+    passes.clear()
+    prof = profile.measure(e, trials=2, context=16, extra_passes=0)
+    assert passes == [True] and profile.inconsistent(prof.spec, prof.plain)
+
+
+def test_inconsistent_profiles():
+    assert not profile.inconsistent({2: 20.0, 8: 21.0, 64: 30.0}, {1: 7.0, 8: 8.5})
+    assert not profile.inconsistent({2: 20.5, 8: 20.0}, {1: 7.0, 8: 7.1})  # within 10 %
+    # the start-up profile at 8 slots that steered async to 0.85x plain decoding (ms)
+    assert profile.inconsistent({2: 20.1, 4: 15.2, 8: 15.3, 16: 16.8, 32: 22.2, 64: 26.5},
+                                {1: 13.4, 2: 7.2, 4: 15.8, 8: 13.2})
+    assert profile.inconsistent({2: 10.0, 8: 12.0}, {1: 5.0, 8: 11.5})  # plain above a proposal
+    assert profile.inconsistent({2: 20.0, 8: 21.0}, {1: 9.0, 8: 7.0})
+
+
 def test_an_engine_uses_a_given_profile_and_decodes(engine_pair, measured):
     tcfg, tparams, dcfg, dparams, _, tok = engine_pair
     _, path = measured

@@ -124,14 +124,22 @@ def engine_key(engine, context: int | None = None) -> dict:
                        default_context(engine) if context is None else context, mesh)
 
 
-def measure(engine, trials: int = 5, min_seconds: float = 0.06, context: int | None = None
-            ) -> SpsProfile:
+def measure(engine, trials: int = 5, min_seconds: float = 0.06, context: int | None = None,
+            extra_passes: int = 2) -> SpsProfile:
     """Times the engine's spec round (propose, fill, verify, commit) for every verification bucket
     and its plain round for every anchor bucket, on all slots filled with `context` cached
     positions. A trial times every program once, in turn: fill the slots, two untimed rounds,
     then rounds dispatched as the engine's loop does (one in flight, each read back and unpacked
     on the host while the next runs) until `min_seconds` have passed or the context is full; the
     median over trials of the mean round time. Leaves the engine's slots empty.
+
+    A table that contradicts itself (`inconsistent`: a smaller bucket slower than a larger one of
+    its kind, or a round without a proposal slower than one with) was disturbed while it was
+    measured; up to `extra_passes` more passes of `trials` trials each are then run and the
+    medians taken over all of them. On 2 busy CPU cores a start-up profile at 8 slots came out
+    with plain rounds at 7.2-15.8 ms in no order (the engine then ran them in 8.6 ms) and a
+    proposal round cheaper than a plain one; the schedulers it steered ran at 0.85x plain
+    decoding. Three standalone profiles of the same engine agreed within 10 %.
 
     In a job of several processes every process runs the same rounds: after the first three, how
     many more is process 0's call, from its clock."""
@@ -150,6 +158,47 @@ def measure(engine, trials: int = 5, min_seconds: float = 0.06, context: int | N
     means: dict[tuple, list[float]] = {p: [] for p in programs}
     rounds_timed = []
     shared = jax.process_count() > 1
+    passes = 0
+    while True:
+        _measure_pass(engine, programs, fillers, trials, most, min_seconds, shared, means,
+                      rounds_timed)
+        seconds: dict[str, dict[int, float]] = {"spec": {}, "plain": {}}
+        for (kind, _, F), m in means.items():
+            seconds[kind][F] = float(np.median(m))
+        bad = inconsistent(seconds["spec"], seconds["plain"])
+        if shared:  # every process runs the same rounds: process 0 decides for all
+            bad = bool(distributed.from_lead([int(bad)])[0])
+        if not bad or passes >= extra_passes:
+            break
+        passes += 1
+    host = loop_overhead(engine, fillers, seconds["plain"][engine.plain_buckets[-1]], trials)
+    engine.reset()
+    return SpsProfile(measured_on=engine_key(engine, context), spec=seconds["spec"],
+                      plain=seconds["plain"], rounds=int(np.median(rounds_timed)),
+                      host_seconds=host)
+
+
+# A bucket this much slower than a larger one (or a plain round than a proposal round) is noise.
+INCONSISTENT_BY = 0.10
+
+
+def inconsistent(spec: dict[int, float], plain: dict[int, float]) -> bool:
+    """Whether measured round times contradict the work the rounds do: within a kind, a bucket
+    more than INCONSISTENT_BY slower than a larger one; or the largest plain round (every slot's
+    anchor verified) slower by as much than the smallest proposal round (which verifies the same
+    anchors and more, besides proposing)."""
+    def falls(table):
+        times = [table[F] for F in sorted(table)]
+        return any(t > (1 + INCONSISTENT_BY) * min(times[i + 1:]) for i, t in enumerate(times[:-1]))
+
+    crossed = bool(spec and plain) and \
+        plain[max(plain)] > (1 + INCONSISTENT_BY) * spec[min(spec)]
+    return falls(spec) or falls(plain) or crossed
+
+
+def _measure_pass(engine, programs, fillers, trials, most, min_seconds, shared, means,
+                  rounds_timed) -> None:
+    """`trials` trials of every program, appended to `means` and `rounds_timed`."""
     for _ in range(trials):  # every bucket once per trial: the machine's drift hits them alike
         for kind, program, F in programs:
             engine.reset()
@@ -171,14 +220,6 @@ def measure(engine, trials: int = 5, min_seconds: float = 0.06, context: int | N
             _read(previous)
             means[kind, program, F].append((time.perf_counter() - t0) / n)
             rounds_timed.append(n)
-    seconds: dict[str, dict[int, float]] = {"spec": {}, "plain": {}}
-    for (kind, _, F), m in means.items():
-        seconds[kind][F] = float(np.median(m))
-    host = loop_overhead(engine, fillers, seconds["plain"][engine.plain_buckets[-1]], trials)
-    engine.reset()
-    return SpsProfile(measured_on=engine_key(engine, context), spec=seconds["spec"],
-                      plain=seconds["plain"], rounds=int(np.median(rounds_timed)),
-                      host_seconds=host)
 
 
 def loop_overhead(engine, fillers, plain_seconds: float, trials: int) -> float:
