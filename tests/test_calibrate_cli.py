@@ -37,7 +37,7 @@ def calibrated(tiny_pair, prompts, tmp_path_factory):
     target, _, drafter = tiny_pair
     out = tmp_path_factory.mktemp("calibration")
     proc = run("train.calibrate", "--target", target, "--drafter", drafter, "--prompts", prompts,
-               "--out", out, "--max-new-tokens", 48, "--temperature", 1, "--splits", 2, *SIZES)
+               "--out", out, "--max-new-tokens", 48, "--temperature", 1, "--splits", 2, "--samples", 2, *SIZES)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc, out
 
@@ -67,6 +67,8 @@ def test_calibration_writes_temperatures_report_and_diagram(calibrated):
         abs(a - b) for a, b in zip(report["auc"], report["auc_before"]) if a is not None and b is not None))
     assert second["rounds_fit"] + second["rounds_eval"] == first["rounds_fit"] + first["rounds_eval"]
     assert "2 random splits of the same rounds:" in proc.stdout
+    # --samples 2: every prompt decoded twice, its samples on one side of the split
+    assert sts["samples"] == 2 and "2 samples a prompt" in proc.stdout
 
 
 def test_decode_applies_the_calibration_and_refuses_a_wrong_one(tiny_pair, calibrated, prompts,
@@ -93,7 +95,10 @@ def test_calibrate_flag_errors(tmp_path):
     afile.write_text("x")
     for flags, message in [(["--eval-fraction", "1.5"], "--eval-fraction 1.5: must be in (0, 1)"),
                            (["--max-new-tokens", "1"], "--max-new-tokens 1: must be >= 2"),
-                           (["--splits", "0"], "--splits 0: must be >= 1")]:
+                           (["--splits", "0"], "--splits 0: must be >= 1"),
+                           (["--samples", "0"], "--samples 0: must be >= 1"),
+                           (["--samples", "2"], "--samples 2: greedy decoding (--temperature 0) "
+                                                "gives every sample the same rounds")]:
         proc = run("train.calibrate", "--target", tmp_path, "--drafter", tmp_path, "--prompts",
                    afile, *flags, timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr

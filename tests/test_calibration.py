@@ -179,6 +179,25 @@ def test_fit_on_results_methods():
         fit_on_results(results, method="platt")
 
 
+def test_fit_on_results_keeps_the_samples_of_a_prompt_together():
+    class Res:  # one sample of one prompt; its logits carry prompt + sample / 10 as a marker
+        def __init__(self, prompt, sample):
+            self.id = f"p{prompt}#{sample}"
+            self.conf_logits = [[prompt + sample / 10, 0.0]] * 5
+            self.verified, self.drafts_accepted = [2] * 5, [sample % 2] * 5
+
+    results = [Res(p, k) for k in range(3) for p in range(10)]  # the samples interleaved
+    fitted = fit_on_results(results, prompt_of=lambda r: r.id.rsplit("#", 1)[0])
+    assert (fitted.prompts_fit, fitted.prompts_eval) == (7, 3)
+    markers = set(np.round(fitted.held_out[0][:, 0], 3))
+    held = {int(m) for m in markers}
+    assert len(held) == 3 and markers == {round(p + k / 10, 3) for p in held for k in range(3)}
+    assert fitted.fit_rounds == 7 * 3 * 5 and len(fitted.held_out[0]) == 3 * 3 * 5
+    # one result per prompt (the default) splits the 30 results themselves
+    alone = fit_on_results(results)
+    assert (alone.prompts_fit, alone.prompts_eval) == (21, 9)
+
+
 def test_unobserved_position_keeps_identity():
     rng = np.random.default_rng(2)
     z, verified, accepted = simulate(rng, 5_000, max_verified=2)  # drafts 3 and 4 never verified

@@ -2,7 +2,7 @@
 
     python -m train.calibrate --target DIR --drafter DIR --prompts FILE [FILE ...] [--out DIR]
         [--eval-fraction 0.3] [--temperature T] [--max-new-tokens N] [--limit N] [--slots R]
-        [--method sts-bias|sts] [--splits K]
+        [--method sts-bias|sts] [--splits K] [--samples K]
 
 Decodes the prompts with the whole block verified (fixed(γ): every position observed) at the
 serving temperature, recording each round's raw confidence logits and how many drafts survived.
@@ -15,6 +15,11 @@ for why). Writes into --out (default: the drafter's directory):
                     their before-STS values), with mean_ece_after; ece_floor, the ECE a perfectly
                     calibrated head would show on as many rounds
   reliability.png   reliability diagrams before and after, per position
+
+--samples K (K > 1, at a temperature above 0) decodes every prompt K times, each sample its own
+random stream: K times the rounds from the same prompts, so that the held-out figures resolve
+finer (the ECE floor falls as 1/sqrt(rounds)). A prompt's samples stay together on one side of
+the split: the held-out prompts are still prompts the fit has not seen.
 
 --splits K (K > 1) fits and measures again on K - 1 more random splits of the same decoded rounds
 (seeds --seed + 1 ...) and prints a line per split: how much the held-out figures (mean ECE, the
@@ -48,6 +53,8 @@ def parse_args(argv):
     ap.add_argument("--splits", type=int, default=1,
                     help="random fit/held-out splits of the decoded rounds to measure (the first "
                          "one's calibration is written)")
+    ap.add_argument("--samples", type=int, default=1,
+                    help="decode every prompt this many times (needs --temperature > 0)")
     ap.add_argument("--method", choices=("sts-bias", "sts"), default="sts-bias",
                     help="sts-bias: a temperature and a bias per position (default); sts: the paper's "
                          "temperatures alone")
@@ -63,6 +70,11 @@ def parse_args(argv):
         problems.append("--limit must be >= 0 and --bins >= 2")
     if args.splits < 1:
         problems.append(f"--splits {args.splits}: must be >= 1")
+    if args.samples < 1:
+        problems.append(f"--samples {args.samples}: must be >= 1")
+    elif args.samples > 1 and args.temperature == 0:
+        problems.append(f"--samples {args.samples}: greedy decoding (--temperature 0) gives every "
+                        "sample the same rounds; sample at a temperature above 0")
     if problems:
         ap.error("; ".join(problems))
     return args
@@ -110,10 +122,13 @@ def main(argv=None) -> int:
             reqs, _, _ = cli.read_requests(Path(path), tokenizer, engine.check_request,
                                            max_new_tokens=args.max_new_tokens,
                                            temperature=args.temperature, limit=args.limit)
-            requests += [dataclasses.replace(r, id=f"{Path(path).stem}/{r.id}") for r in reqs]
+            for k in range(args.samples):  # a sample's stream: its record's seed, else its id
+                requests += [dataclasses.replace(
+                    r, id=f"{Path(path).stem}/{r.id}" + (f"#{k}" if args.samples > 1 else ""),
+                    seed=r.seed if k == 0 else None) for r in reqs]
         if len(requests) < 2:
             raise DSparkError(f"{len(requests)} usable prompts; calibration needs at least 2")
-        print(f"decoding {len(requests)} prompts with fixed({dcfg.proposal_length}) at temperature "
+        print(f"decoding {len(requests)} {'samples' if args.samples > 1 else 'prompts'} with fixed({dcfg.proposal_length}) at temperature "
               f"{args.temperature} ...", file=sys.stderr, flush=True)
         results = []
         metrics = engine.generate(requests, results.append, keep_confidences=True)
@@ -121,8 +136,9 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
+        prompt_of = (lambda r: r.id.rsplit("#", 1)[0]) if args.samples > 1 else None
         fits = [calibration.fit_on_results(results, eval_fraction=args.eval_fraction, seed=seed,
-                                           bins=args.bins, method=args.method)
+                                           bins=args.bins, method=args.method, prompt_of=prompt_of)
                 for seed in range(args.seed, args.seed + args.splits)]
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -136,7 +152,8 @@ def main(argv=None) -> int:
     info = {"drafter": str(args.drafter), "prompts": [str(p) for p in args.prompts],
             "serving_temperature": args.temperature, "prompts_fit": fit, "prompts_eval": held,
             "rounds_fit": int(z_fit), "rounds_eval": int(len(z_eval)), "bins": args.bins,
-            "tau": metrics["tau"], "seed": args.seed, "method": args.method}
+            "tau": metrics["tau"], "seed": args.seed, "method": args.method,
+            "samples": args.samples}
     out_dir.mkdir(parents=True, exist_ok=True)
     calibration.save_sts(out_dir / "sts.json", sts, mean_ece_after=report["mean_ece_after"], **info)
     (out_dir / "calibration.json").write_text(json.dumps(
@@ -155,7 +172,8 @@ def main(argv=None) -> int:
         print(f"{j + 1:>2} {report['n'][j]:>7} {temps[j]:>6.3f} {biases[j]:>+6.2f} {text}")
     print(f"mean ECE before {report['mean_ece_before']:.4f}, after {report['mean_ece_after']:.4f}, "
           f"floor {report['mean_ece_floor']:.4f} (a perfectly calibrated head on as many rounds) "
-          f"({len(z_eval)} held-out rounds from {held} prompts; fitted on {z_fit} rounds)")
+          f"({len(z_eval)} held-out rounds from {held} prompts; fitted on {z_fit} rounds"
+          + (f"; {args.samples} samples a prompt)" if args.samples > 1 else ")"))
     if args.splits > 1:
         print(f"{args.splits} random splits of the same rounds:")
         print(f"{'seed':>5} {'rounds fit':>10} {'held out':>8} {'ece before':>10} {'ece after':>9} "

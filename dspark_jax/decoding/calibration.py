@@ -472,15 +472,21 @@ class Fitted:
 
 
 def fit_on_results(results, *, eval_fraction: float = 0.3, seed: int = 0, bins: int = 10,
-                   method: str = "sts-bias") -> Fitted:
-    """Splits the results (one per prompt) at random (`seed`), fits `method` (`METHODS`) on the
-    rounds of 1 - eval_fraction of them and reports on the rounds of the rest."""
+                   method: str = "sts-bias", prompt_of=None) -> Fitted:
+    """Splits the prompts at random (`seed`), fits `method` (`METHODS`) on the rounds of
+    1 - eval_fraction of them and reports on the rounds of the rest. `prompt_of(result)` names
+    the prompt a result decoded (None: one result per prompt); the results of one prompt (several
+    samples of it) all fall on the same side, so that the held-out figures measure prompts the
+    fit has not seen."""
     if method not in METHODS:
         raise CalibrationError(f"calibration method {method!r}: expected one of {list(METHODS)}")
-    order = np.random.default_rng(seed).permutation(len(results))
-    n_eval = max(1, int(round(eval_fraction * len(results))))
-    held = [results[i] for i in order[:n_eval]]
-    fit = [results[i] for i in order[n_eval:]]
+    keys = list(range(len(results))) if prompt_of is None else [prompt_of(r) for r in results]
+    prompts = list(dict.fromkeys(keys))
+    order = np.random.default_rng(seed).permutation(len(prompts))
+    n_eval = max(1, int(round(eval_fraction * len(prompts))))
+    held_keys = {prompts[i] for i in order[:n_eval]}
+    held = [r for r, key in zip(results, keys) if key in held_keys]
+    fit = [r for r, key in zip(results, keys) if key not in held_keys]
     z_fit, ell_fit, k_fit = stack_rounds(fit)
     evaluated = stack_rounds(held)
     if not len(z_fit) or not len(evaluated[0]):
@@ -492,4 +498,4 @@ def fit_on_results(results, *, eval_fraction: float = 0.3, seed: int = 0, bins: 
         grid, bias_grid = bias_grids()
         sts = fit_sts(z_fit, ell_fit, k_fit, grid=grid, bins=bins, bias_grid=bias_grid)
     report = position_report(*evaluated, sts.temperatures, bins=bins, biases=sts.biases)
-    return Fitted(sts, report, evaluated, len(fit), len(held), len(z_fit))
+    return Fitted(sts, report, evaluated, len(prompts) - n_eval, n_eval, len(z_fit))
