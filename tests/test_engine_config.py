@@ -136,11 +136,14 @@ def test_a_profile_that_contradicts_itself_is_measured_again(async_engine, monke
 
 def test_inconsistent_profiles():
     assert not profile.inconsistent({2: 20.0, 8: 21.0, 64: 30.0}, {1: 7.0, 8: 8.5})
-    assert not profile.inconsistent({2: 20.5, 8: 20.0}, {1: 7.0, 8: 7.1})  # within 10 %
+    assert not profile.inconsistent({2: 20.5, 8: 20.0}, {1: 7.0, 8: 7.1})  # within 25 %
+    # the bundled pair's start-up profile at 8 slots: 2 drafts 13 % above 4 in every pass
+    assert not profile.inconsistent({2: 25.7, 4: 22.7, 8: 25.1, 16: 26.0, 32: 29.3, 64: 36.0},
+                                    {1: 9.6, 2: 10.6, 4: 10.3, 8: 10.8})
     # the start-up profile at 8 slots that steered async to 0.85x plain decoding (ms)
     assert profile.inconsistent({2: 20.1, 4: 15.2, 8: 15.3, 16: 16.8, 32: 22.2, 64: 26.5},
                                 {1: 13.4, 2: 7.2, 4: 15.8, 8: 13.2})
-    assert profile.inconsistent({2: 10.0, 8: 12.0}, {1: 5.0, 8: 11.5})  # plain above a proposal
+    assert profile.inconsistent({2: 10.0, 8: 12.0}, {1: 5.0, 8: 13.0})  # plain above a proposal
     assert profile.inconsistent({2: 20.0, 8: 21.0}, {1: 9.0, 8: 7.0})
 
 
