@@ -395,6 +395,52 @@ def test_async_probe_is_judged_once_its_round_is_read():
     assert rounds[-1] == ("topk", 5)
 
 
+def test_async_a_switch_to_proposals_is_judged_once_its_first_round_is_read():
+    """Plain rounds win while the estimates are 0; estimates that then promise much (the slots'
+    last read proposals, stale after a run of plain rounds) switch to proposals, and the decision
+    stands SWITCH_HOLD rounds: the third round is decided with the first one's survival, which here
+    says the drafts are worth nothing, so it is plain again (two rounds with a proposal, not
+    REDECIDE_EVERY)."""
+    from dspark_jax.decoding import policies
+    from dspark_jax.decoding.state import RoundOutput
+
+    rounds = []
+    policy = policies.AsyncPolicy(_cadence_engine(1.0, rounds))
+    for _ in range(policies.REDECIDE_EVERY):
+        policy.dispatch([0], lambda: [4])
+    policy.estimates[:] = 0.9  # what the slot's last read proposal promised
+    for _ in range(policies.SWITCH_HOLD):
+        policy.dispatch([0], lambda: [4])
+    assert [k[0] for k in rounds] == ["plain"] * policies.REDECIDE_EVERY + ["topk"] * 2
+    assert policy.hold == policies.SWITCH_HOLD == 2
+    nothing = np.zeros((1, 4), np.float32)  # the switch's first round, read: no draft survives
+    policy.observe(RoundOutput(tokens=np.zeros((1, 5), np.int32), count=np.array([1]),
+                               verified=np.array([4]), accepted=np.array([0]),
+                               finish=np.zeros(1, np.int32), was_active=np.array([True]),
+                               conf_logits=np.zeros((1, 4), np.float32), survival=nothing), [0])
+    policy.dispatch([0], lambda: [4])
+    assert rounds[-1] == ("plain", 1)
+
+
+def test_async_a_confirmed_switch_stands_ever_longer():
+    """The same switch confirmed by its first round's survival: the decision then stands 4, 8, ...
+    rounds as any repeated one."""
+    from dspark_jax.decoding import policies
+
+    rounds, searched_at = [], []
+    policy = policies.AsyncPolicy(_cadence_engine(1.0, rounds))
+    choose = policy.choose
+    policy.choose = lambda live, rooms, **kw: searched_at.append(len(rounds)) or choose(live, rooms, **kw)
+    for _ in range(policies.REDECIDE_EVERY):
+        policy.dispatch([0], lambda: [4])
+    policy.estimates[:] = 0.9
+    for _ in range(40):
+        policy.dispatch([0], lambda: [4])
+    n = policies.REDECIDE_EVERY
+    assert rounds[n:] == [("topk", 5)] * 40
+    assert searched_at == [0, n, n + 2, n + 6, n + 14, n + 30]  # holds 2, 4, 8, 16, 32
+
+
 def test_async_decision_stands_longer_while_it_repeats():
     """Proposals pay: every round proposes in the largest bucket, and the search runs ever more
     rarely (REDECIDE_EVERY doubling to REDECIDE_MAX) while its answer repeats."""

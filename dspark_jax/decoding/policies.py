@@ -35,9 +35,14 @@ UNSEEN_SHARE = 0.5
 JOINER_Z = 2.0
 # async: a decision stands for REDECIDE_EVERY rounds unless the number of live requests changes
 # (the survival estimates move slowly; searching every round costs the host more than it gains on
-# small rounds); each search that repeats the decision doubles that, up to REDECIDE_MAX.
+# small rounds); each search that repeats the decision doubles that, up to REDECIDE_MAX. A switch
+# from plain rounds to proposals stands SWITCH_HOLD rounds only: it was priced on the slots' last
+# read proposals, which after a run of plain rounds are many rounds old, and its first round
+# refreshes them; the host reads that round after dispatching the next one, so the third round is
+# the first decided with it. A stale switch then costs two rounds with a proposal, not four.
 REDECIDE_EVERY = 4
 REDECIDE_MAX = 32
+SWITCH_HOLD = 2
 KINDS = ("plain", "spec")  # round kinds as the decision broadcast encodes them
 
 
@@ -327,7 +332,12 @@ class AsyncPolicy(Policy):
             self.probe_every = min(2 * self.probe_every, PROBE_MAX) if kind == "plain" else PROBE_EVERY
         elif kind == "spec" and not probe and self.last is not None and self.last[0] == "plain":
             self.probe_every = PROBE_EVERY  # the load or the drafts changed: probe often again
-        self.hold = min(2 * self.hold, REDECIDE_MAX) if decision == self.last else REDECIDE_EVERY
+        if decision == self.last:
+            self.hold = min(2 * self.hold, REDECIDE_MAX)
+        elif kind == "spec" and not probe and self.last is not None and self.last[0] == "plain":
+            self.hold = SWITCH_HOLD
+        else:
+            self.hold = REDECIDE_EVERY
         if probe and kind == "spec":
             self.after_probe, self.timed_probe = 2, timed
         else:
