@@ -316,16 +316,17 @@ def markdown(report: dict) -> str:
     scheds = report["schedulers"]
     rows = {(r["level"], r["temperature"], r["scheduler"]): r for r in report["rows"]}
     fmt = lambda v, spec=",.1f": "–" if v is None else format(v, spec)
-    extra = [("async budget", lambda q, a: a.get("mean_budget")),
-             ("async / best", lambda q, a: q["async_over_best"]),
-             ("async / fixed", lambda q, a: q["async_over_fixed"])] if "async" in scheds else []
+    extra = [("async budget", lambda q, a: fmt(a.get("mean_budget"), ".2f")),
+             ("async / best", lambda q, a: ratio_cell(q, "async_over_best")),
+             ("async / fixed", lambda q, a: ratio_cell(q, "async_over_fixed"))] if "async" in scheds else []
     setup = (f"{report['device']['kind']} x{report['device']['count']}, at most "
              f"{report['max_new_tokens']} new tokens per request "
              f"({'stop tokens ignored' if report['ignore_eos'] else 'ending at stop tokens'}), "
              f"{report['requests_per_slot']} requests per slot (at least "
              f"{report.get('min_requests', 0)}), median of {report['repeats']} runs; async's ratios: "
              "median over the repeats of each repeat's ratio (the schedulers of a repeat run back "
-             "to back)")
+             "to back), the lowest and highest repeat's in brackets: how far this machine's noise "
+             "moves one comparison")
     lines = [f"`{report['command']}`", "", setup, ""]
     for title, key, cols in (("Output tokens/s at full load", "full_load_tokens_per_s", extra),
                              ("Tokens/s per user", "tokens_per_s_per_request", [])):
@@ -334,10 +335,20 @@ def markdown(report: dict) -> str:
         for q in report["ratios"]:
             c, t = q["level"], q["temperature"]
             cells = [str(c), f"{t:g}", *(fmt(rows.get((c, t, s), {}).get(key)) for s in scheds),
-                     *(fmt(get(q, rows.get((c, t, "async"), {})), ".2f") for _, get in cols)]
+                     *(get(q, rows.get((c, t, "async"), {})) for _, get in cols)]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+def ratio_cell(q: dict, key: str) -> str:
+    """A paired ratio as the median over the repeats with the lowest and highest in brackets
+    ("0.97 (0.91-1.04)"); the median alone from one repeat, "–" when there is none."""
+    if q.get(key) is None:
+        return "–"
+    runs = q.get(key + "_runs") or []
+    spread = f" ({min(runs):.2f}-{max(runs):.2f})" if len(runs) > 1 else ""
+    return f"{q[key]:.2f}{spread}"
 
 
 def write(report: dict, out: Path) -> None:

@@ -154,6 +154,7 @@ def test_without_target_and_drafter_the_bundled_pair_is_benchmarked(tmp_path):
 
 
 def test_ratios_pair_each_repeat_so_a_drift_between_repeats_cancels():
+    from serve import bench
     from serve.bench import ratios
 
     def row(name, runs):
@@ -169,8 +170,11 @@ def test_ratios_pair_each_repeat_so_a_drift_between_repeats_cancels():
     assert q["async_over_best_of_medians"] == pytest.approx(306 / 180)  # mixes the speeds
     assert q["async_over_fixed"] == pytest.approx(1.53)
     assert q["async_over_best_runs"] == sorted(q["async_over_best_runs"])
+    assert bench.ratio_cell(q, "async_over_best") == "1.02 (1.02-1.70)"  # the spread, as tabled
     # Without per-run figures (or with a different count), the ratio of the medians stands.
     for r in rows:
         r["tokens_per_s_runs"] = r["tokens_per_s_runs"][:2] if r["scheduler"] == "async" else None
     (q,) = ratios(rows)
     assert q["async_over_best"] == q["async_over_best_of_medians"]
+    assert bench.ratio_cell(q, "async_over_best") == "1.70"
+    assert bench.ratio_cell({"async_over_best": None}, "async_over_best") == "–"
