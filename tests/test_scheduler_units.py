@@ -737,3 +737,55 @@ def test_async_probes_joiners_only_when_they_could_change_the_decision():
     assert first_round(narrow, [0]) == "topk"  # 0.2 + 2 x 0.076: a proposal could pay
     assert first_round(narrow, list(range(R))) == "plain"  # 0.2 + 2 x 0.076 / √8: it cannot
     assert first_round(wide, list(range(R))) == "topk"  # 0.2 + 2 x 0.214 / √8: it could
+
+
+def test_async_processes_whose_clocks_disagree_decide_in_the_same_rounds(monkeypatch):
+    """In a job of several processes every decision is process 0's, broadcast, and each process
+    must enter that broadcast in the same rounds or the job hangs. Here two policies run in
+    lockstep as processes 0 and 1 of one job, the lead's measured overhead making proposals look
+    far cheaper than the follower's, and requests join so that whether to probe them is itself a
+    priced question (yes for the lead, no for the follower): both dispatch the same rounds and
+    meet at every broadcast."""
+    from types import SimpleNamespace
+
+    from dspark_jax.decoding import policies
+
+    R, gamma = 8, 4
+    spec = {F: 2.0 for F in (2, 5, 16, 24, 40)}
+    profile = SimpleNamespace(spec=spec, plain={1: 1.0, 8: 1.0})
+    sent, calls, rounds = [], {"lead": 0, "follower": 0}, {"lead": [], "follower": []}
+    who = [None]
+
+    def from_lead(values):
+        calls[who[0]] += 1
+        if who[0] == "lead":
+            sent.append(np.asarray(values, np.int32))
+            return sent[-1]
+        assert sent, "the follower waits in a broadcast the lead never entered: the job would hang"
+        return sent.pop(0)
+
+    monkeypatch.setattr(policies.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(policies.distributed, "from_lead", from_lead)
+    pair = {}
+    for name in ("lead", "follower"):
+        engine = SimpleNamespace(R=R, gamma=gamma, shape=SimpleNamespace(pending=16),
+                                 spec_buckets=sorted(spec), plain_buckets=[1, 8], profile=profile,
+                                 run_round=rounds[name].append, flush=lambda: None)
+        pair[name] = policies.AsyncPolicy(engine)
+    pair["lead"].overhead = {"spec": -1.0, "plain": 2.0}  # its clock: proposals cost nothing
+    pair["lead"].overhead_weight = {"spec": 1.0, "plain": 1.0}
+    narrow = np.array([0.1, 0.1, 0.2, 0.2, 0.3, 0.3, 0.2, 0.2])  # worth none to the follower
+    for policy in pair.values():
+        policy.estimates[:] = narrow[:, None]
+        policy.prior[:], policy.spread = 0.2, np.full(gamma, 0.076)
+    live = list(range(R))
+    for t in range(200):
+        for name in ("lead", "follower"):
+            who[0] = name
+            if t % 25 == 0:  # every request finished; eight joined
+                for slot in live:
+                    pair[name].admitted(slot)
+            pair[name].dispatch(live, lambda: [gamma] * R)
+        assert calls["lead"] == calls["follower"] and not sent, f"round {t}"
+    assert rounds["lead"] == rounds["follower"]
+    assert calls["lead"] > 10

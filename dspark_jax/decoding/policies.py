@@ -266,7 +266,7 @@ class AsyncPolicy(Policy):
 
     def warm(self):
         if jax.process_count() > 1:
-            distributed.from_lead([0, 0])  # compiles the broadcast `_decide` uses
+            distributed.from_lead([0, 0, 0])  # compiles the broadcast `_decide` uses
 
     def starting(self):
         self.dispatched = []
@@ -321,11 +321,14 @@ class AsyncPolicy(Policy):
         probe = timed or (self._unseen(live) and self._joiners_matter(live, rooms))
         self.joined = False
         kind, F = self.choose(live, rooms, probe=probe)
+        if jax.process_count() > 1:
+            # The clock-based overhead differs between processes, and so may whether the joiners
+            # were worth a probe: the probe flag decides when the next decision comes (after_probe,
+            # hold), and every process must enter that decision's broadcast in the same round.
+            code, F, probe = (int(v) for v in distributed.from_lead([KINDS.index(kind), F, probe]))
+            kind, probe = KINDS[code], bool(probe)
         if probe:  # not chosen for its estimates: the scale corrects the search's choices only
             self.price = None
-        if jax.process_count() > 1:  # the clock-based overhead differs between processes
-            code, F = (int(v) for v in distributed.from_lead([KINDS.index(kind), F]))
-            kind = KINDS[code]
         decision = (kind, F, len(live))
         judging = self.after_probe == 1  # the first decision that has read the probe's round
         if judging and self.timed_probe:  # did the probe change the decision?
