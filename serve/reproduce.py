@@ -7,6 +7,7 @@ BENCHMARKS.md with its figures.
         [--max-new-tokens 96] [--max-len 512] [--repeats 3] [--requests-per-slot 3]
         [--min-requests 32] [--slots 16]
         [--dflash-b15 DIR] [--eagle3 DIR] [--train-steps 800] [--no-compile-cache]
+        [--eval-prompts DIR] [--eval-limit 150] [--eval-splits 3]
 
 Models: the bundled target `tiny` and drafters `tiny-dspark`, `tiny-dflash` (block 7) and
 `tiny-dspark-b15`; the block-15 DFlash baseline and the Eagle3 baseline (a chain of 7) are not
@@ -20,6 +21,11 @@ code, chat). Stages, in order:
                  T = 0 and T = 1: τ per domain (Table 1), conditional acceptance per position (Fig. 2)
   calibration    STS refitted on the T = 1 rounds of the DSpark drafters (70 % of the prompts) and
                  measured on the rest: ECE and AUC per position, reliability diagrams (Fig. 6)
+  calibration (held-out benchmark prompts)  the bundled DSpark's raw confidences on the first
+                 --eval-limit prompts of every JSONL file in --eval-prompts (default ../shared/eval
+                 beside the repository, skipped with a message when absent): STS fitted on 70 % of
+                 them, measured on the rest, on --eval-splits random splits, both fits (the
+                 scheduling issue's calibration criterion: mean ECE ≤ 1.5 %, AUC within 0.005)
   threshold      the threshold scheduler at each --thresholds value, calibrated, T = 1: acceptance
                  rate, τ and drafts verified per round (Fig. 5)
   concurrency    `serve.bench concurrency` with every scheduler over --levels, T = 0 and 1, with the
@@ -61,6 +67,9 @@ MODELS = {"dspark-b7": ("tiny-dspark", "DSpark", 7), "dflash-b7": ("tiny-dflash"
 DEMO_DRAFTER_STEPS = 800  # what train.demo_models trained the bundled drafters for
 # the concurrency sweeps in the results (key, the load named in their findings: "" the mixed one)
 LOADS = (("concurrency", ""), ("concurrency_math", "math prompts only"))
+# held-out benchmark prompts beside the repository (the project's workspace); never required
+EVAL_PROMPTS = "../shared/eval"
+EVAL_METHODS = ("sts-bias", "sts")  # the default fit first
 
 
 def add_parser(sub) -> None:
@@ -89,6 +98,11 @@ def add_parser(sub) -> None:
     r.add_argument("--fresh", action="store_true",
                    help="measure the concurrency sweep again even when WORK holds one with these settings")
     r.add_argument("--no-compile-cache", action="store_true")
+    r.add_argument("--eval-prompts", default=EVAL_PROMPTS,
+                   help="directory of held-out JSONL prompt files to measure the calibration on "
+                        "(default: ../shared/eval, skipped when absent; '' skips it)")
+    r.add_argument("--eval-limit", type=int, default=150, help="at most this many prompts per file")
+    r.add_argument("--eval-splits", type=int, default=3, help="random fit/held-out splits")
     r.add_argument("--seed", type=int, default=0)
 
 
@@ -119,6 +133,9 @@ def check_args(args) -> list[str]:
         problems.append(f"--requests-per-slot {args.requests_per_slot}: must be >= 2")
     if args.min_requests < 0:
         problems.append(f"--min-requests {args.min_requests}: must be >= 0")
+    for flag in ("eval_limit", "eval_splits"):
+        if getattr(args, flag) < 1:
+            problems.append(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
     for flag, path in given_drafters(args).items():
         if path and not Path(path).is_dir():
             problems.append(f"--{flag} {path}: not a directory")
@@ -282,6 +299,66 @@ def calibration_stage(kept: dict, figures: Path, args) -> dict:
     return out
 
 
+# -- calibration on held-out benchmark prompts -----------------------------------------------------
+
+def eval_calibration_stage(models: Models, drafter: str, figures: Path, args) -> dict:
+    """The drafter's raw confidences on the held-out benchmark prompts of --eval-prompts, decoded
+    at T = 1 with the whole block verified; each fit (EVAL_METHODS) on --eval-splits random 70/30
+    splits of the prompts. {"skipped": why} when the directory is absent or holds no prompts."""
+    from dspark_jax.decoding import calibration
+    from dspark_jax.decoding.engine import Engine
+    from dspark_jax.decoding.schedulers import SchedulerConfig
+    from dspark_jax.formats.generation_config import SamplingSettings
+    from train.calibrate import split_summary
+
+    folder = Path(args.eval_prompts)
+    files = sorted(folder.glob("*.jsonl")) if folder.is_dir() else []
+    if not files:
+        why = f"{folder}: {'no *.jsonl files' if folder.is_dir() else 'not found'}"
+        print(f"calibration on held-out prompts skipped: {why}", flush=True)
+        return {"skipped": why}
+    # the drafter directory's sts.json is read, not applied: the rounds keep the raw confidences
+    tcfg, tparams, dcfg, dparams, shipped, shipped_from = models.load(drafter, sts="")
+    engine = Engine(tcfg, tparams, dcfg, dparams, slots=args.slots,
+                    max_len=tcfg.max_position_embeddings, scheduler=SchedulerConfig("fixed"),
+                    seed=args.seed)
+    engine.warmup()
+    settings = SamplingSettings(temperature=1.0, max_new_tokens=args.max_new_tokens)
+    requests, counts = [], {}
+    for path in files:  # the first --eval-limit prompts that fit the context (quietly skipping others)
+        reqs, _, _ = cli.read_prompt_file(path, models.tokenizer, engine.check_request, settings,
+                                          per_record=False, quiet=True, limit=args.eval_limit)
+        counts[path.stem] = len(reqs)
+        requests += [dataclasses.replace(r, id=f"{path.stem}/{r.id}") for r in reqs]
+    results = []
+    metrics = engine.generate(requests, results.append, keep_confidences=True)
+    del engine
+    out = {"dir": str(folder), "limit": args.eval_limit, "prompts": counts, "tau": metrics["tau"],
+           "methods": {}}
+    if shipped is not None:  # what a user of the drafter gets: its own calibration, fitted elsewhere
+        rep = calibration.position_report(*calibration.stack_rounds(results), shipped.temperatures,
+                                          biases=shipped.biases)
+        shifts = [abs(a - b) for a, b in zip(rep["auc"], rep["auc_before"])
+                  if a is not None and b is not None]
+        out["shipped"] = {"file": shipped_from, "rounds": rep["n"][0],
+                          **{f"mean_ece_{w}": rep[f"mean_ece_{w}"] for w in ("before", "after", "floor")},
+                          "max_auc_shift": max(shifts, default=0.0)}
+    for method in EVAL_METHODS:
+        fits = [calibration.fit_on_results(results, eval_fraction=0.3, seed=seed, method=method)
+                for seed in range(args.seed, args.seed + args.eval_splits)]
+        out["methods"][method] = [split_summary(seed, f) for seed, f in
+                                  enumerate(fits, start=args.seed)]
+        if method == EVAL_METHODS[0]:
+            calibration.reliability_diagram(*fits[0].held_out, fits[0].sts.temperatures,
+                                            figures / "reliability-eval.png", biases=fits[0].sts.biases,
+                                            title=f"{folder.name}: held-out prompts, T = 1")
+        print(f"calibration on {folder} ({method}): mean ECE after "
+              + ", ".join(f"{s['mean_ece_after']:.4f}" for s in out["methods"][method])
+              + "; largest AUC shift " + ", ".join(f"{s['max_auc_shift']:.4f}"
+                                                   for s in out["methods"][method]), flush=True)
+    return out
+
+
 # -- threshold sweep (Fig. 5) -----------------------------------------------------------------------
 
 def threshold_stage(models: Models, drafter: str, args) -> list[dict]:
@@ -377,10 +454,50 @@ def criteria(res: dict) -> list[tuple[str, str, bool | None]]:
         if cal["max_auc_shift"] is not None:
             out.append((f"{name}: AUC per position unchanged by STS (within 0.005)",
                         f"largest shift {cal['max_auc_shift']:.4f}", cal["max_auc_shift"] <= 0.005))
+    out += eval_calibration_criteria(res.get("calibration_eval"))
     for key, load in LOADS:
         if res.get(key):
             out += concurrency_criteria(res[key], load)
     return out
+
+
+def span(values, fmt: str) -> str:
+    """'a' or 'a-b': the lowest and highest of values."""
+    lo, hi = format(min(values), fmt), format(max(values), fmt)
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def eval_calibration_criteria(cal: dict | None) -> list[tuple[str, str, bool | None]]:
+    """The scheduling issue's calibration criterion, judged on the held-out benchmark prompts
+    over every split (the default fit; the paper's temperatures alone beside it)."""
+    if not cal:
+        return []
+    what = "dspark-b7 on held-out benchmark prompts"
+    if "skipped" in cal:
+        return [(f"{what}: mean ECE after STS (≤ 1.5 %), AUC unchanged (within 0.005)",
+                 f"not measured ({cal['skipped']})", None)]
+    splits, plain = cal["methods"][EVAL_METHODS[0]], cal["methods"].get("sts")
+    n = sum(cal["prompts"].values())
+    before = [100 * s["mean_ece_before"] for s in splits]
+    after = [100 * s["mean_ece_after"] for s in splits]
+    floor = [100 * s["mean_ece_floor"] for s in splits]
+    shift = [s["max_auc_shift"] for s in splits]
+    where = f"{what} ({n} prompts of {cal['dir']}, 30 % held out, {len(splits)} random splits)"
+    rows = [(f"{where}: mean ECE after STS (≤ 1.5 %)",
+             f"{span(before, '.2f')} % → {span(after, '.2f')} % (a perfectly calibrated head would "
+             f"show {span(floor, '.2f')} %)", max(after) <= 1.5),
+            (f"{where}: AUC per position unchanged by STS (within 0.005)",
+             f"largest shift {span(shift, '.4f')}"
+             + (f" (temperatures alone: {span([s['max_auc_shift'] for s in plain], '.4f')}, ECE "
+                f"{span([100 * s['mean_ece_after'] for s in plain], '.2f')} %)" if plain else ""),
+             max(shift) <= 0.005)]
+    shipped = cal.get("shipped")
+    if shipped:
+        rows.append((f"{what}: the drafter's shipped sts.json (fitted on the bundled prompts), all "
+                     f"{shipped['rounds']} rounds", f"ECE {100 * shipped['mean_ece_before']:.2f} % → "
+                     f"{100 * shipped['mean_ece_after']:.2f} %, largest AUC shift "
+                     f"{shipped['max_auc_shift']:.4f}", None))
+    return rows
 
 
 def concurrency_criteria(conc: dict, load: str) -> list[tuple[str, str, bool | None]]:
@@ -506,6 +623,7 @@ def render(res: dict) -> str:
             lines.append(f"| {j + 1} | {n} | {cal['temperatures'][j]:.3f} | {bias:+.2f} | "
                          + " | ".join("–" if c is None else f"{c:.4f}" for c in cells) + " |")
         lines.append("")
+    lines += render_eval_calibration(res.get("calibration_eval"), fig)
     conc = res.get("concurrency")
     if conc:
         from serve.bench import markdown
@@ -544,6 +662,38 @@ def render(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_eval_calibration(cal: dict | None, fig: str) -> list[str]:
+    if not cal:
+        return []
+    lines = ["## Calibration on held-out benchmark prompts", ""]
+    if "skipped" in cal:
+        return lines + [f"Not measured: {cal['skipped']}.", ""]
+    lines += [f"The bundled DSpark (block 7) decodes the first {cal['limit']} prompts of each file of "
+              f"`{cal['dir']}` that fit the context ("
+              + ", ".join(f"{name} {n}" for name, n in cal["prompts"].items())
+              + f") at T = 1 with the whole block verified (τ {cal['tau']:.3f}); STS is fitted on the "
+              "rounds of 70 % of the prompts and measured on the rounds of the rest, on random "
+              "splits of the prompts. `sts-bias`: a temperature and a bias per position (the "
+              "default); `sts`: the paper's temperatures alone. A product of differently scaled "
+              "factors can reorder rounds, so the AUC of a position's survival moves a little "
+              "(each factor's ranking is kept). The diagram: the first split, `sts-bias`.", "",
+              f"![reliability, held-out benchmark prompts]({fig}/reliability-eval.png)", "",
+              "| fit | split seed | rounds fit | rounds held out | ECE before | ECE after | ECE floor "
+              "| largest AUC shift |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    shipped = cal.get("shipped")
+    if shipped:
+        lines += [f"| shipped `{Path(shipped['file']).parent.name}/sts.json` (fitted on the bundled "
+                  f"prompts) | – | – | {shipped['rounds']} (all) | "
+                  f"{100 * shipped['mean_ece_before']:.2f} % | {100 * shipped['mean_ece_after']:.2f} % | "
+                  f"{100 * shipped['mean_ece_floor']:.2f} % | {shipped['max_auc_shift']:.4f} |"]
+    for method, splits in cal["methods"].items():
+        for s in splits:
+            lines.append(f"| {method} | {s['seed']} | {s['rounds_fit']} | {s['rounds_eval']} | "
+                         f"{100 * s['mean_ece_before']:.2f} % | {100 * s['mean_ece_after']:.2f} % | "
+                         f"{100 * s['mean_ece_floor']:.2f} % | {s['max_auc_shift']:.4f} |")
+    return lines + [""]
+
+
 def reusable(path: Path, cargs) -> dict | None:
     """A concurrency report already in WORK measured with these settings at (at least) these
     levels, cut to them; None when there is none (a long sweep that stopped keeps what it measured
@@ -569,9 +719,11 @@ def reusable(path: Path, cargs) -> dict | None:
     return saved
 
 
-def concurrency_stage(stage, drafter: str, out: Path, levels: str, prompts: list[str], args) -> dict:
+def concurrency_stage(stage, stages: list, drafter: str, out: Path, levels: str, prompts: list[str],
+                      args) -> dict:
     """`serve.bench concurrency` with every scheduler at `levels`, T = 0 and 1, into `out`; a
-    sweep already there with the same settings is reused unless --fresh."""
+    sweep already there with the same settings is reused unless --fresh (the stage times then
+    list it as reused, with the seconds it took when measured)."""
     from serve import bench
 
     bargs = ["concurrency", "--drafter", drafter, "--out", str(out), *prompts,
@@ -588,8 +740,13 @@ def concurrency_stage(stage, drafter: str, out: Path, levels: str, prompts: list
     if saved:
         print(f"concurrency: reusing {out} (the same settings; --fresh to measure again)", flush=True)
         bench.write(saved, out)
+        stages.append({"stage": f"{out.name} (reused: measured by an earlier run, same settings)",
+                       "seconds": saved.get("stage_seconds", "–")})
         return saved
-    return stage(out.name, bench.concurrency, cargs, shlex.join(["python", "-m", "serve.bench", *bargs]))
+    report = stage(out.name, bench.concurrency, cargs, shlex.join(["python", "-m", "serve.bench", *bargs]))
+    report["stage_seconds"] = stages[-1]["seconds"]
+    bench.write(report, out)
+    return report
 
 
 def main(args, argv: list[str]) -> int:
@@ -633,6 +790,9 @@ def main(args, argv: list[str]) -> int:
         keep("acceptance", acc)
         plot_positions(res["acceptance"], list(drafters), figures / "positions.png")
         keep("calibration", stage("calibration", calibration_stage, kept, figures, args))
+        if "dspark-b7" in drafters and args.eval_prompts:
+            keep("calibration_eval", stage("calibration-eval", eval_calibration_stage, models,
+                                           drafters["dspark-b7"], figures, args))
         if "dspark-b7" in drafters:
             res["threshold_model"] = "DSpark block 7 (tiny-dspark, calibrated)"
             keep("threshold", stage("threshold", threshold_stage, models, drafters["dspark-b7"], args))
@@ -644,8 +804,8 @@ def main(args, argv: list[str]) -> int:
                 sweeps.append(("concurrency_math", "concurrency-math", args.math_levels,
                                ["--prompts", "math"], "-math"))
             for key, sub, levels, prompts, suffix in sweeps:
-                keep(key, concurrency_stage(stage, drafters["dspark-b7"], work / sub, levels, prompts,
-                                            args))
+                keep(key, concurrency_stage(stage, stages, drafters["dspark-b7"], work / sub, levels,
+                                            prompts, args))
                 for png in ("throughput.png", "pareto.png"):
                     shutil.copy2(work / sub / png, figures / png.replace(".png", f"{suffix}.png"))
     except DSparkError as e:

@@ -132,6 +132,7 @@ def test_missing_prompt_file(tmp_path):
     (["--thresholds", "0.5,2"], "--thresholds '0.5,2': expected numbers in [0, 1]"),
     (["--requests-per-slot", "1"], "--requests-per-slot 1: must be >= 2"),
     (["--min-requests", "-2"], "--min-requests -2: must be >= 0"),
+    (["--eval-splits", "0"], "--eval-splits 0: must be >= 1"),
     (["--math-levels", "1,0"], "--math-levels '1,0': expected positive integers, e.g. 1,4,16 ('' skips"),
     (["--eagle3", "{tmp}/nowhere"], "--eagle3 {tmp}/nowhere: not a directory"),
     (["--out", "{tmp}/no/BENCHMARKS.md"], "--out {tmp}/no/BENCHMARKS.md: directory {tmp}/no does not exist"),

@@ -1,5 +1,8 @@
-"""`serve.bench reproduce`'s verdicts and report from measured rows (the stages themselves run the
-engine, which tests/test_bench_cli.py and the engine tests cover on smaller models)."""
+"""`serve.bench reproduce`'s verdicts and report from measured rows, and its held-out calibration
+stage on the bundled pair (the other stages run the engine as tests/test_bench_cli.py and the
+engine tests do on smaller models)."""
+
+from pathlib import Path
 
 from serve import reproduce
 
@@ -134,6 +137,36 @@ def test_a_saved_sweep_is_reused_only_for_the_same_settings(tmp_path):
     assert reproduce.reusable(path, cargs("--levels", "1")) is None
 
 
+def test_a_reused_sweep_is_listed_with_the_time_it_took_when_measured(tmp_path):
+    import argparse
+    import json
+
+    from serve import bench
+
+    args = argparse.Namespace(max_len=512, max_new_tokens=96, repeats=3, requests_per_slot=3,
+                              min_requests=32, seed=0, limit=0, no_compile_cache=False, fresh=False)
+    cargs = bench.parse_args(["concurrency", "--drafter", "tiny-dspark", "--out", str(tmp_path),
+                              "--levels", "1", "--temperatures", "0,1", "--max-len", "512",
+                              "--max-new-tokens", "96", "--repeats", "3", "--requests-per-slot", "3",
+                              "--min-requests", "32", "--seed", "0"])
+    report = {"max_new_tokens": 96, "repeats": 3, "requests_per_slot": 3, "min_requests": 32,
+              "temperatures": [0.0, 1.0], "schedulers": cargs.schedulers, "max_len": 512,
+              "drafter": cargs.drafter, "ignore_eos": False, "prompt_order": bench.PROMPT_ORDER,
+              "prompt_files": cargs.prompts, "levels": [1], "device": {"kind": "cpu", "count": 1},
+              "rows": [_conc_row(1, t, s, 100.0) for t in (0.0, 1.0) for s in cargs.schedulers],
+              "ratios": [], "stage_seconds": 812.5, "command": "python -m serve.bench concurrency"}
+    (tmp_path / "concurrency.json").write_text(json.dumps(report))
+
+    def stage(*_):
+        raise AssertionError("a reusable sweep must not be measured again")
+
+    stages = []
+    saved = reproduce.concurrency_stage(stage, stages, "tiny-dspark", tmp_path, "1", [], args)
+    assert saved["levels"] == [1]
+    assert stages == [{"stage": "concurrency (reused: measured by an earlier run, same settings)"
+                       .replace("concurrency", tmp_path.name, 1), "seconds": 812.5}]
+
+
 def test_the_report_shows_both_loads_with_their_commands():
     res = _result()
     for key, cmd in (("concurrency", "python -m serve.bench concurrency --levels 1,16"),
@@ -154,3 +187,82 @@ def test_the_report_shows_both_loads_with_their_commands():
     assert "benchmarks/figures/throughput-math.png" in math
     assert "| 4 | 0 | 200.0 | 300.0 | 310.0 | 5.00 | 1.03 | 1.03 |" in math
     assert "| math prompts only: async ≥ 0.97 × the best of plain" in mixed  # among the findings
+
+
+def _eval_cal(after, shifts):
+    def split(seed, ece, shift):
+        return {"seed": seed, "rounds_fit": 700, "rounds_eval": 300, "mean_ece_before": 0.08,
+                "mean_ece_after": ece, "mean_ece_floor": 0.004, "max_auc_shift": shift}
+
+    splits = [split(seed, ece, shift) for seed, (ece, shift) in enumerate(zip(after, shifts))]
+    return {"dir": "../shared/eval", "limit": 150, "prompts": {"gsm8k": 150, "mbpp": 120},
+            "tau": 2.1, "methods": {"sts-bias": splits,
+                                    "sts": [dict(s, max_auc_shift=0.001) for s in splits]}}
+
+
+def test_the_held_out_calibration_is_judged_on_its_worst_split():
+    res = _result()
+    res["calibration_eval"] = _eval_cal([0.008, 0.0102], [0.004, 0.0049])
+    rows = {what: (value, ok) for what, value, ok in reproduce.criteria(res) if "benchmark prompts" in what}
+    where = ("dspark-b7 on held-out benchmark prompts (270 prompts of ../shared/eval, 30 % held out, "
+             "2 random splits)")
+    assert rows[f"{where}: mean ECE after STS (≤ 1.5 %)"] == (
+        "8.00 % → 0.80-1.02 % (a perfectly calibrated head would show 0.40 %)", True)
+    assert rows[f"{where}: AUC per position unchanged by STS (within 0.005)"] == (
+        "largest shift 0.0040-0.0049 (temperatures alone: 0.0010, ECE 0.80-1.02 %)", True)
+    res["calibration_eval"] = _eval_cal([0.008, 0.016], [0.004, 0.0053])  # one split fails each
+    assert [ok for what, _, ok in reproduce.criteria(res) if "benchmark prompts" in what] == [False, False]
+    text = reproduce.render_eval_calibration(res["calibration_eval"], "figs")
+    assert "| sts-bias | 1 | 700 | 300 | 8.00 % | 1.60 % | 0.40 % | 0.0053 |" in "\n".join(text)
+    assert "figs/reliability-eval.png" in "\n".join(text)
+    res["calibration_eval"]["shipped"] = {"file": "x/dspark/sts.json", "rounds": 1000,
+                                          "mean_ece_before": 0.08, "mean_ece_after": 0.03,
+                                          "mean_ece_floor": 0.004, "max_auc_shift": 0.002}
+    shipped = [(value, ok) for what, value, ok in reproduce.criteria(res) if "shipped" in what]
+    assert shipped == [("ECE 8.00 % → 3.00 %, largest AUC shift 0.0020", None)]
+
+
+def test_without_the_held_out_prompts_the_calibration_says_it_was_not_measured(tmp_path, capsys):
+    import argparse
+
+    args = argparse.Namespace(eval_prompts=str(tmp_path / "eval"))
+    cal = reproduce.eval_calibration_stage(None, "", tmp_path, args)  # nothing loaded
+    assert cal == {"skipped": f"{tmp_path / 'eval'}: not found"}
+    assert "calibration on held-out prompts skipped" in capsys.readouterr().out
+    (tmp_path / "eval").mkdir()
+    assert reproduce.eval_calibration_stage(None, "", tmp_path, args) == \
+        {"skipped": f"{tmp_path / 'eval'}: no *.jsonl files"}
+    res = _result()
+    res["calibration_eval"] = cal
+    verdict = [(value, ok) for what, value, ok in reproduce.criteria(res) if "benchmark prompts" in what]
+    assert verdict == [(f"not measured ({tmp_path / 'eval'}: not found)", None)]
+    assert reproduce.render_eval_calibration(cal, "figs")[2] == \
+        f"Not measured: {tmp_path / 'eval'}: not found."
+
+
+def test_the_held_out_calibration_fits_both_methods_on_every_split(tmp_path):
+    """The stage on the bundled pair, a few short prompts of two files standing for ../shared/eval."""
+    import argparse
+    import itertools
+
+    from dspark_jax import bundled
+
+    folder = tmp_path / "eval"
+    folder.mkdir()
+    for domain in ("math", "chat"):
+        lines = Path(bundled.PROMPTS[domain]).read_text().splitlines()
+        (folder / f"{domain}.jsonl").write_text("\n".join(itertools.islice(lines, 4)) + "\n")
+    args = argparse.Namespace(eval_prompts=str(folder), eval_limit=3, eval_splits=2, slots=2,
+                              max_new_tokens=12, seed=0, limit=0)
+    cal = reproduce.eval_calibration_stage(reproduce.Models(args), bundled.resolve_drafter("tiny-dspark"),
+                                           tmp_path, args)
+    assert cal["prompts"] == {"chat": 3, "math": 3} and cal["limit"] == 3
+    assert list(cal["methods"]) == ["sts-bias", "sts"]
+    for splits in cal["methods"].values():
+        assert [s["seed"] for s in splits] == [0, 1]
+        assert all(s["rounds_eval"] > 0 and 0 <= s["mean_ece_after"] <= 1 for s in splits)
+    assert all(b == 0 for b in cal["methods"]["sts"][0]["biases"])  # temperatures alone
+    rounds = cal["methods"]["sts"][0]
+    assert cal["shipped"]["rounds"] == rounds["rounds_fit"] + rounds["rounds_eval"]  # every round
+    assert cal["shipped"]["file"].endswith("sts.json")
+    assert (tmp_path / "reliability-eval.png").stat().st_size > 0
