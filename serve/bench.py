@@ -59,7 +59,7 @@ WARM_TOKENS = 8
 PROMPT_ORDER = "round-robin over the prompt files"
 RECORDED = ("full_load_tokens_per_s", "output_tokens_per_s", "tokens_per_s_per_request", "tau",
             "acceptance_rate",
-            "mean_verified", "mean_budget", "buckets", "rounds", "elapsed_s", "output_tokens",
+            "mean_verified", "mean_budget", "full_load_mean_budget", "buckets", "rounds", "elapsed_s", "output_tokens",
             "compilations_after_warmup")
 LINE_STYLES = ("-", "--", ":", "-.")
 
@@ -276,7 +276,8 @@ def time_level(c: int, engines: dict, batch, args, report: dict) -> None:
                 **{k: m[k] for k in RECORDED}})
             print(f"c={c} T={temp:g} {name}: {m['full_load_tokens_per_s']:,.1f} tok/s, "
                   f"{m['tokens_per_s_per_request']:,.1f} tok/s per user, tau {m['tau']:.2f}, "
-                  f"budget {m['mean_budget']:.2f}", file=sys.stderr, flush=True)
+                  f"budget {m['mean_budget']:.2f} ({budget(m):.2f} at full load)", file=sys.stderr,
+                  flush=True)
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -316,7 +317,7 @@ def markdown(report: dict) -> str:
     scheds = report["schedulers"]
     rows = {(r["level"], r["temperature"], r["scheduler"]): r for r in report["rows"]}
     fmt = lambda v, spec=",.1f": "–" if v is None else format(v, spec)
-    extra = [("async budget", lambda q, a: fmt(a.get("mean_budget"), ".2f")),
+    extra = [("async budget", lambda q, a: fmt(budget(a), ".2f")),
              ("async / best", lambda q, a: ratio_cell(q, "async_over_best")),
              ("async / fixed", lambda q, a: ratio_cell(q, "async_over_fixed"))] if "async" in scheds else []
     setup = (f"{report['device']['kind']} x{report['device']['count']}, at most "
@@ -326,7 +327,11 @@ def markdown(report: dict) -> str:
              f"{report.get('min_requests', 0)}), median of {report['repeats']} runs; async's ratios: "
              "median over the repeats of each repeat's ratio (the schedulers of a repeat run back "
              "to back), the lowest and highest repeat's in brackets: how far this machine's noise "
-             "moves one comparison")
+             "moves one comparison; async budget: drafts verified per request and round beyond the "
+             + ("anchor at full load (the drain excluded, as in the tokens/s)"
+                if all(r.get("full_load_mean_budget") is not None for r in report["rows"])
+                else "anchor over every round, the drain included (measured before the full-load "
+                     "figure was recorded)"))
     lines = [f"`{report['command']}`", "", setup, ""]
     for title, key, cols in (("Output tokens/s at full load", "full_load_tokens_per_s", extra),
                              ("Tokens/s per user", "tokens_per_s_per_request", [])):
@@ -339,6 +344,13 @@ def markdown(report: dict) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+def budget(row: dict) -> float | None:
+    """A row's mean budget per request at full load (the drain excluded, as its tokens/s), or over
+    every round for a row measured before that was recorded."""
+    full = row.get("full_load_mean_budget")
+    return row.get("mean_budget") if full is None else full
 
 
 def ratio_cell(q: dict, key: str) -> str:
@@ -375,15 +387,14 @@ def _figure(panels: int):
 def plot_throughput(report: dict, path: Path) -> None:
     """Fig. 7: tokens/s and mean budget per request against concurrency (log2)."""
     fig, axes = _figure(2)
-    keys = ("full_load_tokens_per_s", "mean_budget")
     for i, name in enumerate(report["schedulers"]):
         for j, temp in enumerate(report["temperatures"]):
             pts = _series(report, name, temp)
-            for ax, key in zip(axes, keys):
-                ax.plot([r["level"] for r in pts], [r[key] for r in pts], color=f"C{i}", marker="o",
+            for ax, value in zip(axes, (lambda r: r["full_load_tokens_per_s"], budget)):
+                ax.plot([r["level"] for r in pts], [value(r) for r in pts], color=f"C{i}", marker="o",
                         linestyle=LINE_STYLES[j % 4], label=f"{name}, T={temp:g}")
     levels = sorted({r["level"] for r in report["rows"]})
-    for ax, label in zip(axes, ("output tokens / s", "mean budget per request (padding incl.)")):
+    for ax, label in zip(axes, ("output tokens / s", "mean budget per request at full load (padding incl.)")):
         ax.set_xscale("log", base=2)
         ax.set(xlabel="concurrent requests", ylabel=label)
         ax.set_xticks(levels, [str(v) for v in levels])

@@ -503,6 +503,8 @@ def eval_calibration_criteria(cal: dict | None) -> list[tuple[str, str, bool | N
 def concurrency_criteria(conc: dict, load: str) -> list[tuple[str, str, bool | None]]:
     """The scheduling findings of one concurrency sweep; `load` names its prompts in each line
     ('' for the mixed load the paper's criteria are judged on)."""
+    from serve import bench
+
     out = []
     tag = f"{load}: " if load else ""
     if conc:
@@ -548,7 +550,7 @@ def concurrency_criteria(conc: dict, load: str) -> list[tuple[str, str, bool | N
             low = min(q["async_over_fixed"] for q in at32)
             out.append((f"{tag}async ≥ 1.15 × fixed(γ) at 32 requests", f"{low:.2f}", low >= 1.15))
         for temp in conc["temperatures"]:
-            budgets = [tps[c, temp, "async"]["mean_budget"] for c in conc["levels"]
+            budgets = [bench.budget(tps[c, temp, "async"]) for c in conc["levels"]
                        if (c, temp, "async") in tps]
             if len(budgets) > 1:
                 out.append((f"{tag}async's mean budget per request falls as concurrency rises, T = {temp:g}",
@@ -696,7 +698,7 @@ def render_eval_calibration(cal: dict | None, fig: str) -> list[str]:
 
 def reusable(path: Path, cargs) -> dict | None:
     """A concurrency report already in WORK measured with these settings at (at least) these
-    levels, cut to them; None when there is none (a long sweep that stopped keeps what it measured
+    levels and recording every figure the report reads, cut to them; None when there is none (a long sweep that stopped keeps what it measured
     up to the level it reached, written after every level)."""
     from serve import bench
 
@@ -711,7 +713,9 @@ def reusable(path: Path, cargs) -> dict | None:
               "prompt_order": bench.PROMPT_ORDER, "prompt_files": cargs.prompts}
     same = all(saved.get(key) == value for key, value in wanted.items())
     measured = {r["level"] for r in saved.get("rows", [])}
-    if not same or not set(cargs.levels) <= measured:
+    # rows from before the full-load budget was recorded are measured again
+    complete = all("full_load_mean_budget" in r for r in saved.get("rows", []))
+    if not same or not complete or not set(cargs.levels) <= measured:
         return None
     saved["rows"] = [r for r in saved["rows"] if r["level"] in cargs.levels]
     saved["ratios"] = [q for q in saved["ratios"] if q["level"] in cargs.levels]

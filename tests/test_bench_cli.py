@@ -69,7 +69,11 @@ def test_concurrency_sweep_writes_its_report(tiny_pair, prompt_file, tmp_path):
     assert {r["describe"] for r in rows} == {"plain", "fixed(4)", "async"}
     # greedy speculative output is the target's own, token for token
     assert [r["same_as_plain"] for r in rows if r["scheduler"] != "plain"] == [True] * 4
-    assert all(r["tau"] == 1 and r["mean_budget"] == 0 for r in rows if r["scheduler"] == "plain")
+    assert all(r["tau"] == 1 and r["mean_budget"] == r["full_load_mean_budget"] == 0
+               for r in rows if r["scheduler"] == "plain")
+    # fixed(4) proposes in every round, the full-load ones too
+    assert all(r["full_load_mean_budget"] >= 4 for r in rows if r["scheduler"] == "fixed"), rows
+    assert all(r["full_load_mean_budget"] is not None for r in rows)
     assert all(r["tau"] >= 1 for r in rows)
     assert all(r["mean_verified"] > 0 for r in rows if r["scheduler"] == "fixed"), rows
     assert len(report["ratios"]) == len(LEVELS)

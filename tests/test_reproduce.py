@@ -15,7 +15,8 @@ def _acceptance_row(ca, tau):
 
 def _conc_row(level, temp, scheduler, tps, budget=0.0, same=None):
     return {"level": level, "temperature": temp, "scheduler": scheduler, "full_load_tokens_per_s": tps,
-            "tokens_per_s_per_request": tps / level, "mean_budget": budget, "same_as_plain": same,
+            "tokens_per_s_per_request": tps / level, "mean_budget": budget + 0.5,
+            "full_load_mean_budget": budget, "same_as_plain": same,
             "describe": scheduler, "requests": 2 * level, "tau": 2.0, "acceptance_rate": 0.5}
 
 
@@ -134,6 +135,9 @@ def test_a_saved_sweep_is_reused_only_for_the_same_settings(tmp_path):
     assert reproduce.reusable(path, cargs("--levels", "1", "--min-requests", "8")) is None
     assert reproduce.reusable(path, cargs("--levels", "1", "--prompts", "math")) is None  # another load
     path.write_text(json.dumps({**report, "prompt_order": "file order"}))  # an older sweep's
+    assert reproduce.reusable(path, cargs("--levels", "1")) is None
+    old_rows = [{k: v for k, v in r.items() if k != "full_load_mean_budget"} for r in rows]
+    path.write_text(json.dumps({**report, "rows": old_rows}))  # before the full-load budget
     assert reproduce.reusable(path, cargs("--levels", "1")) is None
 
 

@@ -117,6 +117,22 @@ def test_requests_validate_their_sampling_parameters():
     assert Request(id="x", prompt_ids=(1,), max_new_tokens=1, seed=5).stream == 5
 
 
+def test_the_full_load_budget_counts_the_rounds_read_before_the_queue_ran_dry():
+    from dspark_jax.decoding.metrics import Tally
+
+    tally = Tally(gamma=3)
+    tally.round("spec", 8, 4)  # 1 draft per request beyond the anchors
+    tally.round("plain", 4, 4)
+    tally.queue_empty()  # the drain: fewer live requests, longer proposals
+    tally.round("spec", 8, 2)
+    tally.queue_empty()  # only the first call counts
+    tally.round("spec", 2, 1)
+    summary = tally.summary()
+    assert summary["full_load_mean_budget"] == pytest.approx((1 + 0) / 2)
+    assert summary["mean_budget"] == pytest.approx((1 + 0 + 3 + 1) / 4)
+    assert Tally(gamma=3).summary()["full_load_mean_budget"] is None  # the queue never ran dry
+
+
 def test_conditional_acceptance_divides_by_the_rounds_that_reached_the_draft():
     """(ℓ, k) = (3, 3), (3, 1), (3, 0), (2, 2): draft 2 was reached (verified, draft 1 accepted) in
     three rounds and accepted in two; draft 3 reached in one and accepted in it."""

@@ -4,7 +4,10 @@
 `conditional_acceptance[j]` is P(draft j+1 accepted | drafts 1..j accepted), over the slot-rounds
 that verified draft j+1 and accepted the j before it. `mean_budget` is the verification paid per
 request and round beyond its anchor, (bucket - active) / active, padding included (0 for a round
-without a proposal); `buckets` counts the rounds per (kind, bucket).
+without a proposal); `full_load_mean_budget` the same over the rounds read while the queue still
+held requests (every slot busy: the load `full_load_tokens_per_s` is measured at, without the
+drain, where fewer live requests make proposals cheaper); `buckets` counts the rounds per (kind,
+bucket).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class Tally:
         self.buckets: dict[str, int] = {}
         self.t_start = time.perf_counter()
         self.full: tuple[int, float] | None = None  # (tokens, seconds) when the queue ran dry
+        self.full_rounds: int | None = None  # rounds read by then
 
     def prefill_token(self) -> None:
         self.out_tokens += 1
@@ -57,6 +61,7 @@ class Tally:
         """The last request was admitted: until now every slot was kept busy."""
         if self.full is None:
             self.full = (self.out_tokens, time.perf_counter() - self.t_start)
+            self.full_rounds = len(self.budgets)
 
     def finished(self, num_tokens: int, seconds: float) -> None:
         if num_tokens > 1 and seconds > 0:
@@ -73,6 +78,8 @@ class Tally:
                                        zip(self.pos_accepted, self.pos_reached)][:self.gamma],
             "mean_verified": float(verified.mean()) if len(verified) else 0.0,
             "mean_budget": float(np.mean(self.budgets)) if self.budgets else 0.0,
+            "full_load_mean_budget": (float(np.mean(self.budgets[:self.full_rounds]))
+                                      if self.full_rounds else None),
             "buckets": dict(sorted(self.buckets.items(), key=lambda kv: (kv[0].split(":")[0],
                                                                           int(kv[0].split(":")[1])))),
             "output_tokens": self.out_tokens,
