@@ -372,6 +372,43 @@ def test_async_probes_when_requests_join_without_doubling_the_wait():
     assert policy.probe_every == 2 * policies.PROBE_EVERY
 
 
+def test_async_probes_in_the_smallest_bucket_holding_the_anchors():
+    """A probe is for the proposal (every live request's estimate refreshed), not for drafts the
+    search has just priced out: whatever bucket the estimates would fill best, a probe dispatches
+    the smallest one holding the live anchors, which verifies no draft once they fill it. Here the
+    drafts survive well (0.9 a position) but a proposal costs 100 plain rounds."""
+    from types import SimpleNamespace
+
+    from dspark_jax.decoding import policies
+    from dspark_jax.decoding.state import RoundOutput
+
+    R, gamma = 4, 4
+    spec = {F: 100.0 for F in (2, 4, 8, 16, 20)}
+    rounds = []
+    engine = SimpleNamespace(R=R, gamma=gamma, shape=SimpleNamespace(pending=1000),
+                             spec_buckets=sorted(spec), plain_buckets=[1, 2, 4],
+                             profile=SimpleNamespace(spec=spec, plain={1: 1.0, 2: 1.0, 4: 1.0}),
+                             run_round=lambda key: rounds.append(key), flush=lambda: None)
+    a = np.full((R, gamma), 0.9, np.float32)
+    zeros = np.zeros(R, np.int32)
+    free = policies.AsyncPolicy(SimpleNamespace(**{**vars(engine), "profile": SimpleNamespace(
+        spec={F: 1.0 for F in spec}, plain=engine.profile.plain)}))
+    # priced as the plain round, a proposal would fill the largest bucket
+    assert free._search(a, R, [gamma] * R)[:2] == ("spec", 20)
+
+    for live in ([0, 1, 2], [0, 1, 2, 3]):
+        rounds.clear()
+        policy = policies.AsyncPolicy(engine)
+        policy.observe(RoundOutput(tokens=np.zeros((R, gamma + 1), np.int32), count=zeros + 1,
+                                   verified=zeros, accepted=zeros, finish=zeros,
+                                   was_active=np.ones(R, bool),
+                                   conf_logits=np.zeros((R, gamma), np.float32), survival=a), [])
+        for _ in range(policies.PROBE_EVERY + 3):
+            policy.dispatch(live, lambda: [gamma] * len(live))
+        probes = [(t, key) for t, key in enumerate(rounds) if key[0] == "topk"]
+        assert probes == [(policies.PROBE_EVERY, ("topk", 4))], live  # 1 draft, then none
+
+
 def test_async_probe_is_judged_once_its_round_is_read():
     """The host reads round t after dispatching t+1: the decision for t+1 cannot have seen a probe
     dispatched at t, so the policy decides again at t+2, with the probe's survival, which here says
@@ -730,13 +767,14 @@ def test_async_probes_joiners_only_when_they_could_change_the_decision():
         for slot in live:  # the requests read above finished; these joined
             policy.admitted(slot)
         policy.dispatch(live, lambda: [gamma] * len(live))
-        return rounds[0][0]
+        return rounds[0]
 
     narrow = [0.1, 0.1, 0.2, 0.2, 0.3, 0.3, 0.2, 0.2]  # mean 0.2, std 0.076
     wide = [0.0, 0.0, 0.0, 0.0, 0.4, 0.4, 0.4, 0.4]  # mean 0.2, std 0.214
-    assert first_round(narrow, [0]) == "topk"  # 0.2 + 2 x 0.076: a proposal could pay
-    assert first_round(narrow, list(range(R))) == "plain"  # 0.2 + 2 x 0.076 / √8: it cannot
-    assert first_round(wide, list(range(R))) == "topk"  # 0.2 + 2 x 0.214 / √8: it could
+    # 0.2 + 2 x 0.076: a proposal could pay (in bucket 5); the probe is the cheapest proposal
+    assert first_round(narrow, [0]) == ("topk", 2)
+    assert first_round(narrow, list(range(R)))[0] == "plain"  # 0.2 + 2 x 0.076 / √8: it cannot
+    assert first_round(wide, list(range(R))) == ("topk", 16)  # 0.2 + 2 x 0.214 / √8: it could
 
 
 def test_async_processes_whose_clocks_disagree_decide_in_the_same_rounds(monkeypatch):

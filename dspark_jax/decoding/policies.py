@@ -18,8 +18,8 @@ import numpy as np
 from dspark_jax import distributed
 from dspark_jax.decoding.schedulers import BucketTable
 
-# async: while plain rounds win, one round with a proposal (a probe) after PROBE_EVERY plain ones,
-# so that the survival estimates stay current; each probe that changes nothing doubles the wait,
+# async: while plain rounds win, one round with a proposal (a probe, in the smallest bucket holding
+# the anchors) after PROBE_EVERY plain ones, so that the survival estimates stay current; each probe that changes nothing doubles the wait,
 # up to PROBE_MAX (a bounded cost that vanishes on a steady load: one round in PROBE_MAX).
 PROBE_EVERY = 64
 PROBE_MAX = 1024
@@ -313,14 +313,22 @@ class AsyncPolicy(Policy):
         unseen = self.unseen[live]
         est = self.estimates[live].copy()
         est[unseen] = self.prior + JOINER_Z * self.spread / np.sqrt(unseen.sum())
-        return self._search(est, len(live), rooms, probe=False)[0] == "spec"
+        return self._search(est, len(live), rooms)[0] == "spec"
 
     def _decide(self, live, rooms) -> None:
         rooms = rooms()
         timed = self.since_spec >= self.probe_every
-        probe = timed or (self._unseen(live) and self._joiners_matter(live, rooms))
+        kind, F = self.choose(live, rooms)
+        # A probe only where the search chose a plain round, and in the cheapest round with a
+        # proposal: the smallest bucket holding the anchors (no drafts once the live count fills
+        # a bucket). What it is for is the proposal, which refreshes every live request's
+        # estimate; a larger bucket verifies drafts the search has just priced out. Probes in the
+        # bucket the estimates liked best (up to 8 drafts a request at 32 requests) set a floor
+        # under async's budget at high load that plain rounds could never lower.
+        probe = kind == "plain" and (timed or (self._unseen(live) and self._joiners_matter(live, rooms)))
         self.joined = False
-        kind, F = self.choose(live, rooms, probe=probe)
+        if probe:
+            kind, F = "spec", bucket_for(len(live), self.engine.spec_buckets)
         if jax.process_count() > 1:
             # The clock-based overhead differs between processes, and so may whether the joiners
             # were worth a probe: the probe flag decides when the next decision comes (after_probe,
@@ -347,14 +355,14 @@ class AsyncPolicy(Policy):
             self.after_probe = max(self.after_probe - 1, 0)
         self.last, self.age = decision, 0
 
-    def choose(self, live, rooms, probe: bool = False) -> tuple[str, int]:
+    def choose(self, live, rooms) -> tuple[str, int]:
         self._absorb()
-        kind, F, est = self._search(self.estimates[live], len(live), rooms, probe)
+        kind, F, est = self._search(self.estimates[live], len(live), rooms)
         if kind == "spec":  # the estimates of the F - n best candidates, before the scale
             self.price = float(np.sort(est, axis=None)[::-1][:F - len(live)].sum())
         return kind, F
 
-    def _search(self, estimates, n: int, rooms, probe: bool) -> tuple[str, int, np.ndarray]:
+    def _search(self, estimates, n: int, rooms) -> tuple[str, int, np.ndarray]:
         """The bucket for n live requests with these [n, γ] survival estimates; also returns
         them corrected as the search priced them."""
         e = self.engine
@@ -364,8 +372,7 @@ class AsyncPolicy(Policy):
         est = estimates * self.correction()
         est = np.minimum.accumulate(np.clip(est, 0.0, 1.0), axis=1)  # survival never rises along j
         est[np.arange(est.shape[1]) >= np.asarray(rooms)[:, None]] = 0.0
-        # A probe is a proposal whatever the estimates say, so that they stay current.
-        kind, F = self.table[1].choose(est, n, plain=not probe, overhead=self.overheads(),
+        kind, F = self.table[1].choose(est, n, overhead=self.overheads(),
                                        margin=self.MARGIN, scale=self.scale())
         return kind, F, est
 
