@@ -24,8 +24,9 @@ request's slot is refilled from the queue at once, so all slots stay full until 
 drains. Requests stop at the tokenizer's stop tokens (--ignore-eos: every request runs to
 --max-new-tokens, as serving benchmarks' flag of that name). The engines of one level are built
 first and their timed runs interleaved, --repeats times, the median kept: this machine's speed
-drifts between runs more than the differences measured. async's ratios to the baselines are paired
-by repeat (each repeat's async over the best baseline of that repeat, then the median). Throughput is measured at full load: the
+drifts between runs more than the differences measured, so every other repeat runs them in reverse
+order. async's ratios are paired by repeat: each repeat's async over the best baseline (the one
+with the highest median) in that repeat, then the median over the repeats. Throughput is measured at full load: the
 output tokens read back until the last request was admitted over the time until then (every slot
 busy, prefills included, the drain excluded; the whole run's figure is in the JSON as well).
 Tokens/s per user is a request's tokens after its first over its time since admission. At T = 0 the
@@ -259,7 +260,10 @@ def time_level(c: int, engines: dict, batch, args, report: dict) -> None:
                          args.max_new_tokens, f"c{c}-t{temp:g}")
         outputs = {name: {} for name in engines}  # first run's tokens, compared at T = 0
         for repeat in range(args.repeats):
-            for name, engine in engines.items():
+            # Every other repeat in reverse order: the machine's speed drifts within a repeat
+            # too, and a scheduler always run last would always meet the same part of the drift.
+            order = list(engines.items())
+            for name, engine in (order if repeat % 2 == 0 else order[::-1]):
                 keep = (lambda r, o=outputs[name]: o.__setitem__(r.id, r.token_ids)) \
                     if repeat == 0 and temp == 0 else (lambda r: None)
                 runs[name].append(engine.generate(requests, keep))
@@ -283,6 +287,11 @@ def time_level(c: int, engines: dict, batch, args, report: dict) -> None:
 def ratios(rows: list[dict]) -> list[dict]:
     """Per (level, temperature): async / the best of plain, fixed1, fixed, and async / fixed.
 
+    The best baseline is the one with the highest median (`best`); async is compared with that
+    one scheduler in every repeat. Taking each repeat's fastest baseline instead would compare
+    async with the luckiest of three noisy figures, biased upwards where the baselines tie (at
+    low load plain and fixed(1) do, within this machine's noise).
+
     Paired by repeat: the schedulers of one repeat run back to back, so each repeat gives one
     ratio (async's tokens/s over the best baseline's in that repeat) and the median of those is
     kept. This machine's speed moves by a fifth between runs of identical work, on a time scale
@@ -295,14 +304,15 @@ def ratios(rows: list[dict]) -> list[dict]:
     for c, temp in dict.fromkeys((r["level"], r["temperature"]) for r in rows):
         a = by.get((c, temp, "async"))
         base = [by[c, temp, s] for s in BASELINES if (c, temp, s) in by]
+        base = [max(base, key=lambda r: r["full_load_tokens_per_s"])] if base else []
         fixed = by.get((c, temp, "fixed"))
-        q = {"level": c, "temperature": temp}
+        q = {"level": c, "temperature": temp, "best": base[0]["scheduler"] if base else None}
         for key, against in (("async_over_best", base), ("async_over_fixed", [fixed] if fixed else [])):
             medians = (a["full_load_tokens_per_s"] / max(r["full_load_tokens_per_s"] for r in against)
                        if a and against else None)
             runs = [r.get("tokens_per_s_runs") for r in [a, *against]] if a and against else None
             if runs and all(runs) and len({len(v) for v in runs}) == 1:
-                paired = sorted(x / max(ys) for x, *ys in zip(*runs))
+                paired = sorted(x / y for x, y in zip(*runs))
                 q[key] = float(np.median(paired))
                 q[key + "_runs"] = paired
             else:
@@ -325,8 +335,9 @@ def markdown(report: dict) -> str:
              f"({'stop tokens ignored' if report['ignore_eos'] else 'ending at stop tokens'}), "
              f"{report['requests_per_slot']} requests per slot (at least "
              f"{report.get('min_requests', 0)}), median of {report['repeats']} runs; async's ratios: "
-             "median over the repeats of each repeat's ratio (the schedulers of a repeat run back "
-             "to back), the lowest and highest repeat's in brackets: how far this machine's noise "
+             "median over the repeats of each repeat's ratio to the baseline with the highest "
+             "median (the schedulers of a repeat run back to back, every other repeat in reverse "
+             "order), the lowest and highest repeat's in brackets: how far this machine's noise "
              "moves one comparison; async budget: drafts verified per request and round beyond the "
              + ("anchor at full load (the drain excluded, as in the tokens/s)"
                 if all(r.get("full_load_mean_budget") is not None for r in report["rows"])
