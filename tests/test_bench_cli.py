@@ -158,13 +158,17 @@ def test_without_target_and_drafter_the_bundled_pair_is_benchmarked(tmp_path):
     assert Path(args.drafter) == Path(bundled.resolve_drafter("tiny-dspark"))
 
 
+def _timed_row(name, runs):
+    """A concurrency row of one scheduler's timed runs (its median as the tabled figure)."""
+    return {"level": 4, "temperature": 0.0, "scheduler": name, "tokens_per_s_runs": runs,
+            "full_load_tokens_per_s": sorted(runs)[len(runs) // 2]}
+
+
 def test_ratios_pair_each_repeat_so_a_drift_between_repeats_cancels():
     from serve import bench
     from serve.bench import ratios
 
-    def row(name, runs):
-        return {"level": 4, "temperature": 0.0, "scheduler": name, "tokens_per_s_runs": runs,
-                "full_load_tokens_per_s": sorted(runs)[len(runs) // 2]}
+    row = _timed_row
 
     # async is 1.02x plain and 1.53x fixed in every repeat; the machine's speed is 1.0, 0.6, 0.6
     # for the baselines' runs and 1.0, 1.0, 0.6 for async's (a slow spell ended in repeat 2).
@@ -188,9 +192,7 @@ def test_ratios_pair_each_repeat_so_a_drift_between_repeats_cancels():
 def test_ratios_compare_async_with_the_baseline_of_the_highest_median_in_every_repeat():
     from serve.bench import ratios
 
-    def row(name, runs):
-        return {"level": 2, "temperature": 0.0, "scheduler": name, "tokens_per_s_runs": runs,
-                "full_load_tokens_per_s": sorted(runs)[len(runs) // 2]}
+    row = _timed_row
 
     # plain and fixed1 tie within the noise; each repeat's faster of the two would be the
     # luckier figure (300, 300, 250: async at 0.83x), not the better scheduler.
