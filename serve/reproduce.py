@@ -69,7 +69,12 @@ DEMO_DRAFTER_STEPS = 800  # what train.demo_models trained the bundled drafters 
 LOADS = (("concurrency", ""), ("concurrency_math", "math prompts only"))
 # held-out benchmark prompts beside the repository (the project's workspace); never required
 EVAL_PROMPTS = "../shared/eval"
-EVAL_METHODS = ("sts-bias", "sts")  # the default fit first
+EVAL_METHODS = ("sts-rank", "sts-bias", "sts")  # the default fit first
+FIT_WORDS = {"sts-rank": "`sts-rank` (a temperature and a bias per position on the log prefix "
+                         "survival: each position's ranking kept exactly)",
+             "sts-bias": "`sts-bias` (a temperature and a bias per position on each confidence "
+                         "factor)",
+             "sts": "`sts` (the paper's temperatures alone)"}
 
 
 def add_parser(sub) -> None:
@@ -284,12 +289,13 @@ def calibration_stage(kept: dict, figures: Path, args) -> dict:
     for name, results in kept.items():
         fitted = calibration.fit_on_results(results, eval_fraction=0.3, seed=args.seed)
         rep = fitted.report
-        calibration.reliability_diagram(*fitted.held_out, fitted.sts.temperatures,
-                                        figures / f"reliability-{name}.png", biases=fitted.sts.biases,
+        calibration.reliability_diagram(*fitted.held_out, fitted.sts,
+                                        figures / f"reliability-{name}.png",
                                         title=f"{name}: held-out rounds, T = 1")
         auc_shift = [abs(a - b) for a, b in zip(rep["auc"], rep["auc_before"])
                      if a is not None and b is not None]
-        out[name] = {"temperatures": list(fitted.sts.temperatures), "biases": list(fitted.sts.biases),
+        out[name] = {"method": calibration.METHODS[0], "form": fitted.sts.form,
+                     "temperatures": list(fitted.sts.temperatures), "biases": list(fitted.sts.biases),
                      "prompts_fit": fitted.prompts_fit,
                      "prompts_eval": fitted.prompts_eval, "rounds_fit": fitted.fit_rounds,
                      "rounds_eval": int(len(fitted.held_out[0])),
@@ -336,12 +342,13 @@ def eval_calibration_stage(models: Models, drafter: str, figures: Path, args) ->
     out = {"dir": str(folder), "limit": args.eval_limit, "prompts": counts, "tau": metrics["tau"],
            "methods": {}}
     if shipped is not None:  # what a user of the drafter gets: its own calibration, fitted elsewhere
-        rep = calibration.position_report(*calibration.stack_rounds(results), shipped.temperatures,
-                                          biases=shipped.biases)
+        rep = calibration.position_report(*calibration.stack_rounds(results), shipped)
         shifts = [abs(a - b) for a, b in zip(rep["auc"], rep["auc_before"])
                   if a is not None and b is not None]
-        out["shipped"] = {"file": shipped_from, "rounds": rep["n"][0],
+        out["shipped"] = {"file": shipped_from, "rounds": rep["n"][0], "form": shipped.form,
                           **{f"mean_ece_{w}": rep[f"mean_ece_{w}"] for w in ("before", "after", "floor")},
+                          **{f"mean_brier_{w}": float(np.mean([b for b in rep[key] if b is not None]))
+                             for w, key in (("before", "brier_before"), ("after", "brier"))},
                           "max_auc_shift": max(shifts, default=0.0)}
     for method in EVAL_METHODS:
         fits = [calibration.fit_on_results(results, eval_fraction=0.3, seed=seed, method=method)
@@ -349,8 +356,8 @@ def eval_calibration_stage(models: Models, drafter: str, figures: Path, args) ->
         out["methods"][method] = [split_summary(seed, f) for seed, f in
                                   enumerate(fits, start=args.seed)]
         if method == EVAL_METHODS[0]:
-            calibration.reliability_diagram(*fits[0].held_out, fits[0].sts.temperatures,
-                                            figures / "reliability-eval.png", biases=fits[0].sts.biases,
+            calibration.reliability_diagram(*fits[0].held_out, fits[0].sts,
+                                            figures / "reliability-eval.png",
                                             title=f"{folder.name}: held-out prompts, T = 1")
         print(f"calibration on {folder} ({method}): mean ECE after "
               + ", ".join(f"{s['mean_ece_after']:.4f}" for s in out["methods"][method])
@@ -469,27 +476,36 @@ def span(values, fmt: str) -> str:
 
 def eval_calibration_criteria(cal: dict | None) -> list[tuple[str, str, bool | None]]:
     """The scheduling issue's calibration criterion, judged on the held-out benchmark prompts
-    over every split (the default fit; the paper's temperatures alone beside it)."""
+    over every split (the default fit; the other fits' figures beside it)."""
     if not cal:
         return []
     what = "dspark-b7 on held-out benchmark prompts"
     if "skipped" in cal:
         return [(f"{what}: mean ECE after STS (≤ 1.5 %), AUC unchanged (within 0.005)",
                  f"not measured ({cal['skipped']})", None)]
-    splits, plain = cal["methods"][EVAL_METHODS[0]], cal["methods"].get("sts")
+    default = next(m for m in EVAL_METHODS if m in cal["methods"])
+    splits = cal["methods"][default]
     n = sum(cal["prompts"].values())
     before = [100 * s["mean_ece_before"] for s in splits]
     after = [100 * s["mean_ece_after"] for s in splits]
     floor = [100 * s["mean_ece_floor"] for s in splits]
     shift = [s["max_auc_shift"] for s in splits]
     where = f"{what} ({n} prompts of {cal['dir']}, 30 % held out, {len(splits)} random splits)"
-    rows = [(f"{where}: mean ECE after STS (≤ 1.5 %)",
+
+    def others(key: str, fmt: str, scale: float = 1.0, unit: str = "") -> str:
+        """The other fits' figures on the same splits, for the reader to weigh."""
+        return "; ".join(f"{m}: {span([scale * s[key] for s in rows], fmt)}{unit}"
+                         for m, rows in cal["methods"].items() if m != default and rows
+                         and key in rows[0])
+
+    brier = [s["mean_brier_after"] for s in splits if "mean_brier_after" in s]
+    rows = [(f"{where}: mean ECE after STS, `{default}` (≤ 1.5 %)",
              f"{span(before, '.2f')} % → {span(after, '.2f')} % (a perfectly calibrated head would "
-             f"show {span(floor, '.2f')} %)", max(after) <= 1.5),
-            (f"{where}: AUC per position unchanged by STS (within 0.005)",
-             f"largest shift {span(shift, '.4f')}"
-             + (f" (temperatures alone: {span([s['max_auc_shift'] for s in plain], '.4f')}, ECE "
-                f"{span([100 * s['mean_ece_after'] for s in plain], '.2f')} %)" if plain else ""),
+             f"show {span(floor, '.2f')} %; {others('mean_ece_after', '.2f', 100, ' %')})"
+             + (f"; Brier {span(brier, '.4f')} ({others('mean_brier_after', '.4f')})" if brier else ""),
+             max(after) <= 1.5),
+            (f"{where}: AUC per position unchanged by STS, `{default}` (within 0.005)",
+             f"largest shift {span(shift, '.4f')} ({others('max_auc_shift', '.4f')})",
              max(shift) <= 0.005)]
     shipped = cal.get("shipped")
     if shipped:
@@ -610,7 +626,8 @@ def render(res: dict) -> str:
         lines.append("")
     for name, cal in res.get("calibration", {}).items():
         lines += [f"## Calibration of {name} (Fig. 6)", "",
-                  f"STS with a bias per position fitted on the T = 1 rounds of {cal['prompts_fit']} prompts "
+                  f"{FIT_WORDS[cal.get('method', 'sts-bias')]} fitted on the T = 1 rounds of "
+                  f"{cal['prompts_fit']} prompts "
                   f"({cal['rounds_fit']} rounds), measured on the {cal['rounds_eval']} rounds of "
                   f"the other {cal['prompts_eval']}.", "", f"![reliability]({fig}/reliability-{name}.png)",
                   "", "ECE floor: the ECE a perfectly calibrated head would show on these rounds "
@@ -675,25 +692,38 @@ def render_eval_calibration(cal: dict | None, fig: str) -> list[str]:
               + ", ".join(f"{name} {n}" for name, n in cal["prompts"].items())
               + f") at T = 1 with the whole block verified (τ {cal['tau']:.3f}); STS is fitted on the "
               "rounds of 70 % of the prompts and measured on the rounds of the rest, on random "
-              "splits of the prompts. `sts-bias`: a temperature and a bias per position (the "
-              "default); `sts`: the paper's temperatures alone. A product of differently scaled "
-              "factors can reorder rounds, so the AUC of a position's survival moves a little "
-              "(each factor's ranking is kept). The diagram: the first split, `sts-bias`.", "",
+              "splits of the prompts. `sts-rank` (the default): a temperature and a bias per "
+              "position on the log prefix survival, a strictly increasing map of the raw survival, "
+              "so each position's AUC is the raw one exactly; `sts-bias`: a temperature and a bias "
+              "per position on each confidence factor; `sts`: the paper's temperatures alone on "
+              "each factor. A product of differently scaled factors can reorder rounds, so under "
+              "those two the AUC of a position's survival moves (up at some positions, down at "
+              "others). Brier: the mean squared error of the survival, a proper score (ECE is not: "
+              "a map that flattens every estimate towards its position's mean lowers the ECE and "
+              f"raises the Brier score). The diagram: the first split, `{EVAL_METHODS[0]}`.", "",
               f"![reliability, held-out benchmark prompts]({fig}/reliability-eval.png)", "",
               "| fit | split seed | rounds fit | rounds held out | ECE before | ECE after | ECE floor "
-              "| largest AUC shift |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+              "| Brier before | Brier after | largest AUC shift |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     shipped = cal.get("shipped")
     if shipped:
         lines += [f"| shipped `{Path(shipped['file']).parent.name}/sts.json` (fitted on the bundled "
                   f"prompts) | – | – | {shipped['rounds']} (all) | "
                   f"{100 * shipped['mean_ece_before']:.2f} % | {100 * shipped['mean_ece_after']:.2f} % | "
-                  f"{100 * shipped['mean_ece_floor']:.2f} % | {shipped['max_auc_shift']:.4f} |"]
+                  f"{100 * shipped['mean_ece_floor']:.2f} % | {brier_cell(shipped, 'before')} | "
+                  f"{brier_cell(shipped, 'after')} | {shipped['max_auc_shift']:.4f} |"]
     for method, splits in cal["methods"].items():
         for s in splits:
             lines.append(f"| {method} | {s['seed']} | {s['rounds_fit']} | {s['rounds_eval']} | "
                          f"{100 * s['mean_ece_before']:.2f} % | {100 * s['mean_ece_after']:.2f} % | "
-                         f"{100 * s['mean_ece_floor']:.2f} % | {s['max_auc_shift']:.4f} |")
+                         f"{100 * s['mean_ece_floor']:.2f} % | {brier_cell(s, 'before')} | "
+                         f"{brier_cell(s, 'after')} | {s['max_auc_shift']:.4f} |")
     return lines + [""]
+
+
+def brier_cell(row: dict, when: str) -> str:
+    value = row.get(f"mean_brier_{when}")
+    return "–" if value is None else f"{value:.4f}"
 
 
 def reusable(path: Path, cargs) -> dict | None:

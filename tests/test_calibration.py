@@ -18,6 +18,7 @@ from dspark_jax.decoding.calibration import (
     ece,
     fit_on_results,
     fit_sts,
+    fit_sts_rank,
     load_sts,
     observations,
     position_report,
@@ -154,6 +155,41 @@ def test_bias_method_recovers_a_shifted_head_that_temperatures_cannot():
         assert after == pytest.approx(best, abs=0.003)
 
 
+def test_rank_method_keeps_every_positions_auc_and_calibrates():
+    """sts-rank on an overconfident head (what the bundled drafter's is on new prompts): each
+    position's held-out AUC is the raw one exactly (ties counted the same), the ECE falls to a
+    fraction of the raw head's, and the calibrated survival is a probability that never rises
+    along the block in any round."""
+    rng = np.random.default_rng(3)
+    t_true, b_true = np.array([1.2, 0.8, 1.5, 1.0]), np.array([-0.6, -1.0, -0.8, -1.2])
+    fitting = simulate(rng, 20_000, t_true, biases=b_true)
+    fitted = fit_sts_rank(*fitting)
+    assert fitted.form == "survival"
+    assert all(a >= b for a, b in zip(fitted.temperatures, fitted.temperatures[1:]))
+    assert all(b <= 0 for b in fitted.biases)
+    assert all(a >= b for a, b in zip(fitted.biases, fitted.biases[1:]))
+    held_out = simulate(rng, 10_000, t_true, biases=b_true)
+    report = position_report(*held_out, fitted)
+    assert report["auc"] == report["auc_before"]
+    assert report["mean_ece_after"] < 0.25 * report["mean_ece_before"]
+    a = survival(held_out[0], fitted)
+    assert np.all((a >= 0) & (a <= 1)) and np.all(np.diff(a, axis=1) <= 0)
+    # Extreme logits: still a probability, still never rising, ranks kept.
+    z = np.array([[-2000.0, 3.0, 40.0, -40.0], [2000.0, 2000.0, 2000.0, 2000.0]])
+    extreme = survival(z, fitted)
+    assert np.all(np.isfinite(extreme)) and np.all(np.diff(extreme, axis=1) <= 0)
+
+
+def test_rank_method_keeps_its_predecessor_where_nothing_was_verified():
+    rng = np.random.default_rng(4)
+    z, verified, accepted = simulate(rng, 4_000, T_STAR, max_verified=2, short_share=0.0)
+    fitted = fit_sts_rank(z, verified, accepted)
+    assert fitted.temperatures[2:] == (fitted.temperatures[1],) * 2
+    assert fitted.biases[2:] == (fitted.biases[1],) * 2
+    with pytest.raises(CalibrationError, match="sts-rank's bias grid must be finite numbers <= 0"):
+        fit_sts_rank(z, verified, accepted, bias_grid=[0.0, 0.5])
+
+
 def test_bias_method_ties_go_to_identity():
     grid, bias_grid = bias_grids()
     z = np.zeros((200, 2))  # every round accepted once in two: T = 1, b = 0 is exact
@@ -175,6 +211,8 @@ def test_fit_on_results_methods():
     biased = fit_on_results(results)  # the default
     assert any(b != 0 for b in biased.sts.biases)
     assert biased.report["mean_ece_after"] < plain.report["mean_ece_after"]
+    ranked = fit_on_results(results, method="sts-rank")
+    assert ranked.sts.form == "survival" and ranked.report["auc"] == ranked.report["auc_before"]
     with pytest.raises(CalibrationError, match="calibration method 'platt'"):
         fit_on_results(results, method="platt")
 
@@ -244,7 +282,8 @@ def test_save_load_round_trip(tmp_path):
     path = save_sts(tmp_path / "sts.json", np.array([2.0, 0.7, 1.5, 3.0]), drafter="step_1000",
                     ece_after=[0.01, 0.02])
     data = json.loads(path.read_text())
-    assert data["format"] == "dspark-sts" and data["version"] == 2 and data["block_size"] == 4
+    assert data["format"] == "dspark-sts" and data["version"] == 3 and data["block_size"] == 4
+    assert data["form"] == "factor"
     assert data["drafter"] == "step_1000"
     assert load_sts(path, block_size=4) == Sts((2.0, 0.7, 1.5, 3.0), (0.0,) * 4)
     cal = Sts((2.0, 0.7, 1.5, 3.0), (0.5, -1.0, 0.0, 2.25))
@@ -253,6 +292,10 @@ def test_save_load_round_trip(tmp_path):
     # A version 1 file (temperatures only) still loads, with biases 0.
     old = _write(tmp_path / "v1.json", {"format": "dspark-sts", "version": 1, "temperatures": [1.0, 2.0]})
     assert load_sts(old, 2) == Sts((1.0, 2.0), (0.0, 0.0))
+    ranked = Sts((2.0, 2.0, 1.5, 0.5), (0.0, -0.5, -0.5, -2.25), "survival")
+    save_sts(tmp_path / "rank.json", ranked)
+    assert json.loads((tmp_path / "rank.json").read_text())["form"] == "survival"
+    assert load_sts(tmp_path / "rank.json", 4) == ranked
 
 
 def _write(path, payload):
@@ -270,7 +313,15 @@ GOOD = {"format": "dspark-sts", "version": 1, "block_size": 4, "temperatures": [
     ({k: v for k, v in GOOD.items() if k != "format"},
      r"\"format\" is missing; expected \"dspark-sts\""),
     ({**GOOD, "format": "dflash-sts"}, r"\"format\" is 'dflash-sts'; expected \"dspark-sts\""),
-    ({**GOOD, "version": 3}, r"version 3; this build reads versions 1 and 2"),
+    ({**GOOD, "version": 4}, r"version 4; this build reads versions 1 to 3"),
+    ({**GOOD, "form": "prefix"}, r"\"form\" is 'prefix'; expected one of \['factor', 'survival'\]"),
+    ({**GOOD, "form": "survival", "temperatures": [2.0, 1.0, 1.5, 1.0]},
+     r"survival form, temperature 3 is 1.5 > temperature 2 1.0: the temperatures must be "
+     r"non-increasing"),
+    ({**GOOD, "form": "survival", "temperatures": [1.0] * 4, "biases": [0.5, 0.0, 0.0, 0.0]},
+     r"survival form, bias 1 is 0.5 > 0.0 \(bias 0 or 0\): the biases must be <= 0"),
+    ({**GOOD, "form": "survival", "temperatures": [1.0] * 4, "biases": [-1.0, -2.0, -1.5, -3.0]},
+     r"survival form, bias 3 is -1.5 > -2.0"),
     ({**GOOD, "biases": [0.0, 1.0]}, r"2 biases for 4 temperatures"),
     ({**GOOD, "biases": "0 0 0 0"}, r"\"biases\" must be a list of numbers; found str"),
     ('{"format": "dspark-sts", "temperatures": [1, 1, 1, 1], "biases": [0, NaN, 0, 0]}',

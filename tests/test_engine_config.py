@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.decoding import profile
-from dspark_jax.decoding.calibration import Sts
+from dspark_jax.decoding.calibration import Sts, survival
 from dspark_jax.decoding.engine import Engine, Request
 from dspark_jax.decoding.schedulers import SchedulerConfig
 from dspark_jax.errors import DSparkError
@@ -77,6 +77,42 @@ def test_calibration_temperatures_reach_the_confidences(engine_pair):
     with pytest.raises(DSparkError, match=f"3 calibration temperatures for a drafter with block size "
                                           f"{dcfg.block_size}"):
         Engine(tcfg, tparams, dcfg, dparams, sts=(1.0, 1.0, 1.0), **kw)
+
+
+def test_a_survival_form_calibration_reaches_the_confidences(engine_pair):
+    """An sts-rank calibration (the survival form) as the engine applies it: threshold(t) verifies
+    the leading drafts with c_j = a_j / a_{j-1} >= t, where a_j = exp(log Π σ(z_i) / T_j + b_j) is
+    computed here from the raw logits each round recorded, and the output is plain decoding's."""
+    tcfg, tparams, dcfg, dparams, _, tok = engine_pair
+    g = dcfg.block_size
+    sts = Sts(tuple(np.linspace(2.0, 1.0, g).tolist()), tuple(np.linspace(0.0, -0.3, g).tolist()),
+              "survival")
+    asks = ["Count from 3 to 17.", "Repeat 'green river' 4 times.", "Continue the pattern: a b c"]
+    reqs = [Request(id=f"r{i}", prompt_ids=tuple(tok.encode(a)), max_new_tokens=24)
+            for i, a in enumerate(asks)]
+    t = 0.3
+    kw = dict(SMALL, slots=3, sts=sts)
+    results = []
+    Engine(tcfg, tparams, dcfg, dparams, scheduler=SchedulerConfig("threshold", threshold=t),
+           **kw).generate(reqs, results.append, keep_confidences=True)
+    checked = set()
+    for res in results:
+        generated = np.cumsum([1] + res.accepted)[:-1]  # tokens before each round
+        for z, verified, before in zip(res.conf_logits, res.verified, generated):
+            if not z:
+                continue
+            a = survival(np.asarray([z]), sts)[0]
+            c = a / np.concatenate([[1.0], a[:-1]])
+            if np.any(np.abs(c - t) < 1e-4):  # float32 against float64 could go either way
+                continue
+            assert verified == min(int(np.cumprod(c >= t).sum()), 24 - before - 1)
+            checked.add(verified)
+    assert len(checked) >= 3  # rounds that stopped at different positions
+    plain = tokens_by_id(Engine(tcfg, tparams, slots=3, **SMALL), reqs)
+    assert {r.id: r.token_ids for r in results} == plain  # lossless under it, as under any
+    with pytest.raises(DSparkError, match=r"survival form, temperature 2 is 2.0 > temperature 1 1.0"):
+        Engine(tcfg, tparams, dcfg, dparams, **dict(kw, sts=Sts((1.0, 2.0) + (1.0,) * (g - 2),
+                                                                (0.0,) * g, "survival")))
 
 
 # ----------------------------------------------------------------------------- SPS profiles

@@ -196,12 +196,15 @@ def test_the_report_shows_both_loads_with_their_commands():
 def _eval_cal(after, shifts):
     def split(seed, ece, shift):
         return {"seed": seed, "rounds_fit": 700, "rounds_eval": 300, "mean_ece_before": 0.08,
-                "mean_ece_after": ece, "mean_ece_floor": 0.004, "max_auc_shift": shift}
+                "mean_ece_after": ece, "mean_ece_floor": 0.004, "max_auc_shift": shift,
+                "mean_brier_before": 0.07, "mean_brier_after": 0.055}
 
     splits = [split(seed, ece, shift) for seed, (ece, shift) in enumerate(zip(after, shifts))]
     return {"dir": "../shared/eval", "limit": 150, "prompts": {"gsm8k": 150, "mbpp": 120},
-            "tau": 2.1, "methods": {"sts-bias": splits,
-                                    "sts": [dict(s, max_auc_shift=0.001) for s in splits]}}
+            "tau": 2.1, "methods": {"sts-rank": splits,
+                                    "sts-bias": [dict(s, max_auc_shift=0.006, mean_ece_after=0.009,
+                                                      mean_brier_after=0.053) for s in splits],
+                                    "sts": [dict(s, max_auc_shift=0.03) for s in splits]}}
 
 
 def test_the_held_out_calibration_is_judged_on_its_worst_split():
@@ -210,14 +213,16 @@ def test_the_held_out_calibration_is_judged_on_its_worst_split():
     rows = {what: (value, ok) for what, value, ok in reproduce.criteria(res) if "benchmark prompts" in what}
     where = ("dspark-b7 on held-out benchmark prompts (270 prompts of ../shared/eval, 30 % held out, "
              "2 random splits)")
-    assert rows[f"{where}: mean ECE after STS (≤ 1.5 %)"] == (
-        "8.00 % → 0.80-1.02 % (a perfectly calibrated head would show 0.40 %)", True)
-    assert rows[f"{where}: AUC per position unchanged by STS (within 0.005)"] == (
-        "largest shift 0.0040-0.0049 (temperatures alone: 0.0010, ECE 0.80-1.02 %)", True)
+    assert rows[f"{where}: mean ECE after STS, `sts-rank` (≤ 1.5 %)"] == (
+        "8.00 % → 0.80-1.02 % (a perfectly calibrated head would show 0.40 %; sts-bias: 0.90 %; "
+        "sts: 0.80-1.02 %); Brier 0.0550 (sts-bias: 0.0530; sts: 0.0550)", True)
+    assert rows[f"{where}: AUC per position unchanged by STS, `sts-rank` (within 0.005)"] == (
+        "largest shift 0.0040-0.0049 (sts-bias: 0.0060; sts: 0.0300)", True)
     res["calibration_eval"] = _eval_cal([0.008, 0.016], [0.004, 0.0053])  # one split fails each
     assert [ok for what, _, ok in reproduce.criteria(res) if "benchmark prompts" in what] == [False, False]
     text = reproduce.render_eval_calibration(res["calibration_eval"], "figs")
-    assert "| sts-bias | 1 | 700 | 300 | 8.00 % | 1.60 % | 0.40 % | 0.0053 |" in "\n".join(text)
+    assert "| sts-rank | 1 | 700 | 300 | 8.00 % | 1.60 % | 0.40 % | 0.0700 | 0.0550 | 0.0053 |" \
+        in "\n".join(text)
     assert "figs/reliability-eval.png" in "\n".join(text)
     res["calibration_eval"]["shipped"] = {"file": "x/dspark/sts.json", "rounds": 1000,
                                           "mean_ece_before": 0.08, "mean_ece_after": 0.03,
@@ -244,7 +249,7 @@ def test_without_the_held_out_prompts_the_calibration_says_it_was_not_measured(t
         f"Not measured: {tmp_path / 'eval'}: not found."
 
 
-def test_the_held_out_calibration_fits_both_methods_on_every_split(tmp_path):
+def test_the_held_out_calibration_fits_every_method_on_every_split(tmp_path):
     """The stage on the bundled pair, a few short prompts of two files standing for ../shared/eval."""
     import argparse
     import itertools
@@ -261,11 +266,13 @@ def test_the_held_out_calibration_fits_both_methods_on_every_split(tmp_path):
     cal = reproduce.eval_calibration_stage(reproduce.Models(args), bundled.resolve_drafter("tiny-dspark"),
                                            tmp_path, args)
     assert cal["prompts"] == {"chat": 3, "math": 3} and cal["limit"] == 3
-    assert list(cal["methods"]) == ["sts-bias", "sts"]
+    assert list(cal["methods"]) == ["sts-rank", "sts-bias", "sts"]
     for splits in cal["methods"].values():
         assert [s["seed"] for s in splits] == [0, 1]
         assert all(s["rounds_eval"] > 0 and 0 <= s["mean_ece_after"] <= 1 for s in splits)
     assert all(b == 0 for b in cal["methods"]["sts"][0]["biases"])  # temperatures alone
+    ranked = cal["methods"]["sts-rank"]
+    assert all(s["form"] == "survival" and s["max_auc_shift"] == 0.0 for s in ranked)
     rounds = cal["methods"]["sts"][0]
     assert cal["shipped"]["rounds"] == rounds["rounds_fit"] + rounds["rounds_eval"]  # every round
     assert cal["shipped"]["file"].endswith("sts.json")

@@ -2,14 +2,15 @@
 
     python -m train.calibrate --target DIR --drafter DIR --prompts FILE [FILE ...] [--out DIR]
         [--eval-fraction 0.3] [--temperature T] [--max-new-tokens N] [--limit N] [--slots R]
-        [--method sts-bias|sts] [--splits K] [--samples K]
+        [--method sts-rank|sts-bias|sts] [--splits K] [--samples K]
 
 Decodes the prompts with the whole block verified (fixed(γ): every position observed) at the
 serving temperature, recording each round's raw confidence logits and how many drafts survived.
 The prompts are split at random (--seed): STS is fitted on the rounds of 1 - eval-fraction of them
-and measured on the rounds of the rest. `--method sts-bias` (the default) fits a temperature and a
-bias per position, `sts` the paper's temperatures alone (see dspark_jax/decoding/calibration.py
-for why). Writes into --out (default: the drafter's directory):
+and measured on the rounds of the rest. `--method sts-rank` (the default) fits a temperature and
+a bias per position to the log prefix survival, which keeps every position's ranking (AUC)
+exactly; `sts-bias` fits them to each confidence factor, `sts` the paper's temperatures alone to
+each factor (see dspark_jax/decoding/calibration.py for when each one wins). Writes into --out (default: the drafter's directory):
   sts.json          temperatures and biases, which serve.decode applies from the drafter directory
   calibration.json  per position on the held-out rounds: ece_before, ece_after, auc, brier (and
                     their before-STS values), with mean_ece_after; ece_floor, the ECE a perfectly
@@ -33,6 +34,9 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+
+from dspark_jax.decoding.calibration import METHODS
 from dspark_jax.errors import DSparkError
 from serve import cli
 
@@ -55,9 +59,10 @@ def parse_args(argv):
                          "one's calibration is written)")
     ap.add_argument("--samples", type=int, default=1,
                     help="decode every prompt this many times (needs --temperature > 0)")
-    ap.add_argument("--method", choices=("sts-bias", "sts"), default="sts-bias",
-                    help="sts-bias: a temperature and a bias per position (default); sts: the paper's "
-                         "temperatures alone")
+    ap.add_argument("--method", choices=METHODS, default=METHODS[0],
+                    help="sts-rank: a temperature and a bias per position on the log prefix "
+                         "survival, ranking kept exactly (default); sts-bias: the same on each "
+                         "confidence factor; sts: the paper's temperatures alone")
     args = ap.parse_args(argv)
     problems = cli.engine_flag_problems(args)
     if not 0 < args.eval_fraction < 1:
@@ -81,14 +86,17 @@ def parse_args(argv):
 
 
 def split_summary(seed: int, fitted) -> dict:
-    """One split's held-out figures: mean ECE before, after and its floor, and the largest AUC
-    shift over the positions where AUC is defined."""
+    """One split's held-out figures: mean ECE before, after and its floor, mean Brier score before
+    and after, and the largest AUC shift over the positions where AUC is defined."""
     report = fitted.report
     shifts = [abs(a - b) for a, b in zip(report["auc"], report["auc_before"])
               if a is not None and b is not None]
+    brier = {w: float(np.mean([b for b in report[key] if b is not None]))
+             for w, key in (("before", "brier_before"), ("after", "brier"))}
     return {"seed": seed, "rounds_fit": fitted.fit_rounds, "rounds_eval": len(fitted.held_out[0]),
             **{f"mean_ece_{w}": report[f"mean_ece_{w}"] for w in ("before", "after", "floor")},
-            "max_auc_shift": max(shifts, default=0.0),
+            "mean_brier_before": brier["before"], "mean_brier_after": brier["after"],
+            "max_auc_shift": max(shifts, default=0.0), "form": fitted.sts.form,
             "temperatures": list(fitted.sts.temperatures), "biases": list(fitted.sts.biases)}
 
 
@@ -157,10 +165,9 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     calibration.save_sts(out_dir / "sts.json", sts, mean_ece_after=report["mean_ece_after"], **info)
     (out_dir / "calibration.json").write_text(json.dumps(
-        {**info, "temperatures": list(temps), "biases": list(biases), **report,
+        {**info, "form": sts.form, "temperatures": list(temps), "biases": list(biases), **report,
          **({"splits": splits} if args.splits > 1 else {})}, indent=2) + "\n")
-    calibration.reliability_diagram(z_eval, ell_eval, k_eval, temps, out_dir / "reliability.png",
-                                    biases=biases,
+    calibration.reliability_diagram(z_eval, ell_eval, k_eval, sts, out_dir / "reliability.png",
                                     bins=args.bins, title=f"{args.drafter}: held-out rounds")
     print(f"{'j':>2} {'n':>7} {'T':>6} {'b':>6} {'accept':>6} {'ece before':>10} {'ece after':>9} "
           f"{'ece floor':>9} {'auc before':>10} {'auc after':>9} {'brier':>6}")
@@ -170,6 +177,8 @@ def main(argv=None) -> int:
         text = " ".join("     -" if c is None else f"{c:>{w}.4f}"
                         for c, w in zip(cells, (6, 10, 9, 9, 10, 9, 6)))
         print(f"{j + 1:>2} {report['n'][j]:>7} {temps[j]:>6.3f} {biases[j]:>+6.2f} {text}")
+    print(f"{args.method}: T and b scale "
+          + ("the log prefix survival" if sts.form == "survival" else "each confidence logit"))
     print(f"mean ECE before {report['mean_ece_before']:.4f}, after {report['mean_ece_after']:.4f}, "
           f"floor {report['mean_ece_floor']:.4f} (a perfectly calibrated head on as many rounds) "
           f"({len(z_eval)} held-out rounds from {held} prompts; fitted on {z_fit} rounds"
@@ -177,11 +186,12 @@ def main(argv=None) -> int:
     if args.splits > 1:
         print(f"{args.splits} random splits of the same rounds:")
         print(f"{'seed':>5} {'rounds fit':>10} {'held out':>8} {'ece before':>10} {'ece after':>9} "
-              f"{'ece floor':>9} {'largest |auc shift|':>19}")
+              f"{'ece floor':>9} {'brier before':>12} {'brier after':>11} {'largest |auc shift|':>19}")
         for s in splits:
             print(f"{s['seed']:>5} {s['rounds_fit']:>10} {s['rounds_eval']:>8} "
                   f"{s['mean_ece_before']:>10.4f} {s['mean_ece_after']:>9.4f} "
-                  f"{s['mean_ece_floor']:>9.4f} {s['max_auc_shift']:>19.4f}")
+                  f"{s['mean_ece_floor']:>9.4f} {s['mean_brier_before']:>12.5f} "
+                  f"{s['mean_brier_after']:>11.5f} {s['max_auc_shift']:>19.4f}")
     print(f"wrote {out_dir / 'sts.json'}, {out_dir / 'calibration.json'}, {out_dir / 'reliability.png'}")
     return 0
 

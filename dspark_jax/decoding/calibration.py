@@ -6,13 +6,26 @@ grid temperature minimising the ECE of the prefix survival a_j = Π_{i≤j} σ(z
 ranking, but a product of differently scaled factors can reorder slightly, which is why AUC is
 reported before and after.
 
-Two methods. `sts` is the paper's: temperatures only, on a wide grid. `sts-bias` (ours, the
-default) fits a temperature and a bias per position, a_j = Π_{i≤j} σ(z_i / T_i + b_i), by the same
+Three methods. `sts` is the paper's: temperatures only, on a wide grid. `sts-bias` (ours) fits a temperature and a bias per position, a_j = Π_{i≤j} σ(z_i / T_i + b_i), by the same
 sequential grid search on a narrower temperature grid. A temperature can only move confidences
 towards or away from 1/2, so a head whose confidences are off by a constant (the tiny demo pair's,
 trained on one corpus and served on another) keeps most of its ECE under `sts`; the bias removes
 it, and the narrow grid keeps the product's ranking, hence AUC, close to the raw one (measured in
 the issue notes). With all biases 0 the two are the same map.
+
+`sts-rank` (ours, the default) keeps every position's ranking exactly: the temperature and bias act on the log
+prefix survival itself, a_j = exp(log(Π_{i≤j} σ(z_i)) / T_j + b_j), a strictly increasing map of
+the raw a_j, so the AUC at every position is the raw one to the last digit. That is the only kind
+of map that can: a product Π f_i(σ(z_i)) stays an increasing function of Π σ(z_i) for every input
+only if each f_i is k_i·p^α with one α. For the calibrated survival to stay a probability that
+never rises along the block (what top-K's rank argument and Algorithm 1's sums need) whatever the
+raw confidences, the fit keeps b_1 ≤ 0, b_j ≤ b_{j-1} and T_j ≤ T_{j-1}: then a_j ≤ 1 and, with
+raw a_j ≤ raw a_{j-1} ≤ 1, a_j ≤ a_{j-1} in every round. So it lifts confidences only through
+T_j > 1 (an underconfident head keeps more of its error than under `sts-bias`; the bundled
+drafter's head is overconfident on new prompts). The price is expressiveness: `sts-bias`
+may re-weight the factors and so re-rank rounds, which on held-out rounds moves AUC up at some
+positions and down at others and gives a lower Brier score (the issue notes have the figures).
+The engine reads the form from sts.json (`"form": "factor"` or `"survival"`).
 """
 
 from __future__ import annotations
@@ -28,20 +41,24 @@ import numpy as np
 from dspark_jax.errors import DSparkError
 
 FORMAT = "dspark-sts"
-VERSION = 2  # 2 added "biases"; version 1 files (temperatures only) still load
-METHODS = ("sts-bias", "sts")
+VERSION = 3  # 2 added "biases", 3 "form"; versions 1 and 2 (factor form) still load
+METHODS = ("sts-rank", "sts-bias", "sts")  # the default first
+FORMS = ("factor", "survival")  # what T_j and b_j scale: each factor's logit, or log a_j
 
 
 @dataclass(frozen=True)
 class Sts:
-    """A fitted calibration: c_j = σ(z_j / temperatures[j] + biases[j]) per draft position."""
+    """A fitted calibration per draft position: form "factor", c_j = σ(z_j / temperatures[j] +
+    biases[j]) and a_j = Π_{i≤j} c_i; form "survival", a_j = exp(log(Π_{i≤j} σ(z_i)) /
+    temperatures[j] + biases[j]) and c_j = a_j / a_{j-1}."""
 
     temperatures: tuple[float, ...]
     biases: tuple[float, ...]
+    form: str = "factor"
 
     @classmethod
     def of(cls, value) -> "Sts":
-        """An Sts, or a sequence of temperatures (biases 0)."""
+        """An Sts, or a sequence of temperatures (biases 0, factor form)."""
         if isinstance(value, Sts):
             return value
         temps = tuple(float(t) for t in value)
@@ -135,13 +152,24 @@ def _log_sigmoid(x: np.ndarray) -> np.ndarray:
     return -np.logaddexp(0.0, -x)
 
 
-def survival(z, temperatures, biases=None) -> np.ndarray:
-    """Raw confidence logits z [N, γ], temperatures [γ] and biases [γ] (default 0) -> prefix
-    survival a [N, γ] float64."""
-    z = np.asarray(z, np.float64)
+def _unpack(temperatures, biases) -> tuple[np.ndarray, np.ndarray, str]:
+    """(temperatures, biases, form) from an `Sts`, or from temperatures [γ] and biases [γ]
+    (default 0) of the factor form."""
+    if isinstance(temperatures, Sts):
+        return (np.asarray(temperatures.temperatures, np.float64),
+                np.asarray(temperatures.biases, np.float64), temperatures.form)
     t = np.asarray(temperatures, np.float64)
-    b = np.zeros_like(t) if biases is None else np.asarray(biases, np.float64)
+    return t, (np.zeros_like(t) if biases is None else np.asarray(biases, np.float64)), "factor"
+
+
+def survival(z, temperatures, biases=None) -> np.ndarray:
+    """Raw confidence logits z [N, γ] and a calibration (an `Sts`, or temperatures [γ] and biases
+    [γ], default 0, of the factor form) -> prefix survival a [N, γ] float64."""
+    z = np.asarray(z, np.float64)
+    t, b, form = _unpack(temperatures, biases)
     # Summing log σ keeps deep prefixes of small factors from underflowing term by term.
+    if form == "survival":
+        return np.exp(np.minimum(np.cumsum(_log_sigmoid(z), axis=-1) / t + b, 0.0))
     return np.exp(np.cumsum(_log_sigmoid(z / t + b), axis=-1))
 
 
@@ -178,16 +206,16 @@ def _check_record(z, verified, accepted) -> tuple[np.ndarray, np.ndarray, np.nda
 
 
 def _check_scored(z, verified, accepted, temperatures, biases=None):
-    """`_check_record` plus temperatures [γ] and biases [γ] (default 0); returns
-    (z, observed, outcome, temperatures, biases)."""
+    """`_check_record` plus a calibration (an `Sts`, or temperatures [γ] and biases [γ], default
+    0); returns (z, observed, outcome, the calibration as an `Sts`)."""
     z, ell, k = _check_record(z, verified, accepted)
-    temperatures = np.asarray(temperatures, np.float64)
+    temperatures, biases, form = _unpack(temperatures, biases)
     if temperatures.shape != (z.shape[1],):
         raise CalibrationError(f"{temperatures.size} temperatures for logits of γ={z.shape[1]}")
-    biases = np.zeros_like(temperatures) if biases is None else np.asarray(biases, np.float64)
     if biases.shape != temperatures.shape:
         raise CalibrationError(f"{biases.size} biases for {temperatures.size} temperatures")
-    return (z, *observations(ell, k, z.shape[1]), temperatures, biases)
+    return (z, *observations(ell, k, z.shape[1]),
+            Sts(tuple(temperatures.tolist()), tuple(biases.tolist()), form))
 
 
 def default_grid() -> np.ndarray:
@@ -252,15 +280,64 @@ def fit_sts(z, verified, accepted, grid=None, bins: int = 10, bias_grid=None) ->
     return Sts(tuple(temperatures.tolist()), tuple(biases.tolist()))
 
 
+def rank_grids() -> tuple[np.ndarray, np.ndarray]:
+    """`sts-rank`'s grids: `sts-bias`'s 42 temperatures in [0.5, 2], and 81 biases in [-4, 0]
+    (steps of 0.05; a positive one could lift a_j above 1)."""
+    temps, biases = bias_grids()
+    return temps, biases[biases <= 0.0]
+
+
+def fit_sts_rank(z, verified, accepted, grid=None, bias_grid=None, bins: int = 10) -> Sts:
+    """Raw logits z [N, γ], verified ℓ [N], accepted k [N] -> an `Sts` of the survival form:
+    a_j = exp(log raw a_j / T_j + b_j), (T_j, b_j) searched position by position on `grid` x
+    `bias_grid` (default `rank_grids`) for the lowest ECE, among the pairs with T_j ≤ T_{j-1} and
+    b_j ≤ b_{j-1} (b_0 = 0), which keep a_j ≤ 1 and never rising along j (module docstring).
+
+    A position no round verified keeps its predecessor's pair. Ties in ECE go to the pair closest
+    to the identity (|log T| first, then |b|)."""
+    z, ell, k = _check_record(z, verified, accepted)
+    default_t, default_b = rank_grids()
+    grid = default_t if grid is None else np.asarray(grid, np.float64).ravel()
+    if grid.size == 0 or not np.all(np.isfinite(grid) & (grid > 0)):
+        raise CalibrationError(f"temperature grid must be finite numbers > 0; got {grid.tolist()}")
+    biases_grid = default_b if bias_grid is None else np.asarray(bias_grid, np.float64).ravel()
+    if biases_grid.size == 0 or not np.all(np.isfinite(biases_grid) & (biases_grid <= 0)):
+        raise CalibrationError(f"sts-rank's bias grid must be finite numbers <= 0; "
+                               f"got {biases_grid.tolist()}")
+    gamma = z.shape[1]
+    observed, outcome = observations(ell, k, gamma)
+    log_raw = np.cumsum(_log_sigmoid(z), axis=1)  # [N, γ] log of the raw prefix survival
+    temps = np.repeat(grid, biases_grid.size)
+    bias = np.tile(biases_grid, grid.size)
+    distance = np.stack([np.abs(np.log(temps)), np.abs(bias)])
+    temperatures, biases = np.ones(gamma), np.zeros(gamma)
+    t_prev, b_prev = np.inf, 0.0
+    chunk = max(1, 4_000_000 // max(1, z.shape[0]))
+    for j in range(gamma):
+        rows = observed[:, j]
+        allowed = np.flatnonzero((temps <= t_prev) & (bias <= b_prev))
+        if not rows.any() or not allowed.size:
+            temperatures[j], biases[j] = (1.0, 0.0) if t_prev == np.inf else (t_prev, b_prev)
+            continue
+        x, target = log_raw[rows, j], outcome[rows, j].astype(np.float64)
+        errors = np.concatenate([
+            _ece_rows(np.exp(np.minimum(x / temps[c, None] + bias[c, None], 0.0)), target, bins)
+            for c in np.array_split(allowed, math.ceil(allowed.size / chunk))])
+        tied = allowed[np.flatnonzero(errors <= errors.min() + 1e-12)]
+        best = tied[np.lexsort((distance[1, tied], distance[0, tied]))[0]]
+        temperatures[j], biases[j] = t_prev, b_prev = temps[best], bias[best]
+    return Sts(tuple(temperatures.tolist()), tuple(biases.tolist()), "survival")
+
+
 def position_report(z, verified, accepted, temperatures, bins: int = 10, biases=None) -> dict:
-    """Per-position metrics before (all T = 1, b = 0) and after calibration; lists of length γ.
+    """Per-position metrics before (all T = 1, b = 0) and after calibration (an `Sts`, or
+    temperatures and biases of the factor form); lists of length γ.
 
     None marks a position no round verified, and an AUC where every outcome was the same.
     """
-    z, observed, outcome, temperatures, biases = _check_scored(z, verified, accepted, temperatures,
-                                                               biases)
+    z, observed, outcome, sts = _check_scored(z, verified, accepted, temperatures, biases)
     gamma = z.shape[1]
-    before, after = survival(z, np.ones(gamma)), survival(z, temperatures, biases)
+    before, after = survival(z, np.ones(gamma)), survival(z, sts)
     keys = ("n", "ece_before", "ece_after", "ece_floor", "auc_before", "auc", "brier_before",
             "brier", "accept_rate")
     report: dict = {key: [] for key in keys}
@@ -329,18 +406,22 @@ def _check_biases(where: str, biases, count: int) -> tuple[float, ...]:
 
 
 def save_sts(path, calibration, **metadata) -> Path:
-    """Writes an `Sts` (or temperatures [γ], biases 0) as JSON {"format": "dspark-sts", "version": 2,
-    "block_size": γ, "temperatures": [...], "biases": [...], **metadata}."""
+    """Writes an `Sts` (or temperatures [γ], biases 0) as JSON {"format": "dspark-sts", "version": 3,
+    "block_size": γ, "form": "factor" | "survival", "temperatures": [...], "biases": [...],
+    **metadata}."""
     path = Path(path)
     cal = calibration if isinstance(calibration, Sts) else None
     temps = _check_temperatures(str(path), cal.temperatures if cal else calibration)
     biases = _check_biases(str(path), cal.biases, len(temps)) if cal else (0.0,) * len(temps)
-    reserved = sorted(set(metadata) & {"format", "version", "block_size", "temperatures", "biases"})
+    form = cal.form if cal else "factor"
+    check_form(str(path), form, temps, biases)
+    reserved = sorted(set(metadata) & {"format", "version", "block_size", "form", "temperatures",
+                                       "biases"})
     if reserved:
         raise CalibrationError(f"{path}: metadata may not set {reserved}; "
                                "those keys are written by save_sts")
-    data = {"format": FORMAT, "version": VERSION, "block_size": len(temps), "temperatures": list(temps),
-            "biases": list(biases), **metadata}
+    data = {"format": FORMAT, "version": VERSION, "block_size": len(temps), "form": form,
+            "temperatures": list(temps), "biases": list(biases), **metadata}
     text = json.dumps(data, indent=2) + "\n"
     # Write then rename, so a reader never sees half a file next to a checkpoint.
     tmp = path.with_name(path.name + ".tmp")
@@ -367,9 +448,9 @@ def load_sts(path, block_size: int) -> Sts:
     if data.get("format") != FORMAT:
         found = "missing" if "format" not in data else repr(data["format"])
         raise CalibrationError(f"{path}: \"format\" is {found}; expected \"{FORMAT}\"")
-    if data.get("version", VERSION) not in (1, VERSION):
+    if data.get("version", VERSION) not in (1, 2, VERSION):
         raise CalibrationError(f"{path}: version {data['version']!r}; "
-                               f"this build reads versions 1 and {VERSION}")
+                               f"this build reads versions 1 to {VERSION}")
     if "temperatures" not in data:
         raise CalibrationError(f"{path}: \"temperatures\" is missing; expected a list of numbers")
     temps = _check_temperatures(str(path), data["temperatures"])
@@ -381,7 +462,29 @@ def load_sts(path, block_size: int) -> Sts:
                                f"{block_size}; was it fitted for another drafter?")
     biases = _check_biases(str(path), data["biases"], len(temps)) if "biases" in data \
         else (0.0,) * len(temps)
-    return Sts(temps, biases)
+    form = data.get("form", "factor")
+    check_form(str(path), form, temps, biases)
+    return Sts(temps, biases, form)
+
+
+def check_form(where: str, form, temperatures, biases) -> None:
+    """One error for an unknown form, or a survival-form calibration whose a_j could exceed 1 or
+    rise along the block (b_1 > 0, b_j > b_{j-1} or T_j > T_{j-1}; positions are 1-based)."""
+    if form not in FORMS:
+        raise CalibrationError(f"{where}: \"form\" is {form!r}; expected one of {list(FORMS)}")
+    if form != "survival":
+        return
+    for j in range(len(temperatures)):
+        b_prev = biases[j - 1] if j else 0.0
+        if biases[j] > b_prev:
+            raise CalibrationError(
+                f"{where}: survival form, bias {j + 1} is {biases[j]!r} > {b_prev!r} (bias {j} or 0): "
+                "the biases must be <= 0 and non-increasing, or a_j could exceed 1 or rise along j")
+        if j and temperatures[j] > temperatures[j - 1]:
+            raise CalibrationError(
+                f"{where}: survival form, temperature {j + 1} is {temperatures[j]!r} > "
+                f"temperature {j} {temperatures[j - 1]!r}: the temperatures must be non-increasing, "
+                "or a_j could rise along j")
 
 
 
@@ -392,17 +495,17 @@ def load_sts(path, block_size: int) -> Sts:
 def reliability_diagram(z, verified, accepted, temperatures, path, bins: int = 10,
                         title: str = "", biases=None) -> Path:
     """Writes a PNG: per position, observed prefix acceptance against mean predicted survival per
-    score bin, raw (T = 1, b = 0) and calibrated. Bins of under 10 rounds are not drawn; ECE
+    score bin, raw (T = 1, b = 0) and calibrated (an `Sts`, or temperatures and biases). Bins of under 10 rounds are not drawn; ECE
     counts them."""
     # The Figure API with an explicit Agg canvas leaves pyplot's global backend and state alone,
     # and keeps matplotlib out of the import path of the engine.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    z, observed, outcome, temperatures, biases = _check_scored(z, verified, accepted, temperatures,
-                                                               biases)
+    z, observed, outcome, sts = _check_scored(z, verified, accepted, temperatures, biases)
+    temperatures, biases = sts.temperatures, sts.biases
     gamma = z.shape[1]
-    curves = {"raw": survival(z, np.ones(gamma)), "STS": survival(z, temperatures, biases)}
+    curves = {"raw": survival(z, np.ones(gamma)), "STS": survival(z, sts)}
 
     cols = min(4, gamma)
     rows = math.ceil(gamma / cols)
@@ -472,7 +575,7 @@ class Fitted:
 
 
 def fit_on_results(results, *, eval_fraction: float = 0.3, seed: int = 0, bins: int = 10,
-                   method: str = "sts-bias", prompt_of=None) -> Fitted:
+                   method: str = METHODS[0], prompt_of=None) -> Fitted:
     """Splits the prompts at random (`seed`), fits `method` (`METHODS`) on the rounds of
     1 - eval_fraction of them and reports on the rounds of the rest. `prompt_of(result)` names
     the prompt a result decoded (None: one result per prompt); the results of one prompt (several
@@ -494,8 +597,10 @@ def fit_on_results(results, *, eval_fraction: float = 0.3, seed: int = 0, bins: 
                           "short, or too few new tokens)")
     if method == "sts":
         sts = Sts.of(fit_sts(z_fit, ell_fit, k_fit, bins=bins))
+    elif method == "sts-rank":
+        sts = fit_sts_rank(z_fit, ell_fit, k_fit, bins=bins)
     else:
         grid, bias_grid = bias_grids()
         sts = fit_sts(z_fit, ell_fit, k_fit, grid=grid, bins=bins, bias_grid=bias_grid)
-    report = position_report(*evaluated, sts.temperatures, bins=bins, biases=sts.biases)
+    report = position_report(*evaluated, sts, bins=bins)
     return Fitted(sts, report, evaluated, len(prompts) - n_eval, n_eval, len(z_fit))

@@ -59,9 +59,8 @@ def propose(shape: EngineShape, state: EngineState, tparams, dparams) -> tuple[E
                           jnp.maximum(s.length - 1, 0), s.temperature, keys)
     top = jnp.clip(jnp.max(jax.nn.softmax(prop.logits, -1), -1), 1e-6, 1 - 1e-6)  # [R, γ]
     z = jnp.log(top) - jnp.log1p(-top)
-    c = jax.nn.sigmoid(calibrated(shape, z))
-    draft = Draft(tokens=prop.tokens, probs=prop.probs, conf_logits=z, confidence=c,
-                  survival=jnp.cumprod(c, axis=-1))
+    c, a = calibrated(shape, z)
+    draft = Draft(tokens=prop.tokens, probs=prop.probs, conf_logits=z, confidence=c, survival=a)
     return state.replace(draft_cache=ctx.replace(cache=prop.cache)), draft
 
 

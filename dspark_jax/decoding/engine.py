@@ -31,7 +31,7 @@ from dspark_jax.config import DrafterConfig, Eagle3Config, TargetConfig
 from dspark_jax.decoding import profile as sps_profile
 from dspark_jax.decoding import rounds
 from dspark_jax.decoding.acceptance import accept
-from dspark_jax.decoding.calibration import Sts
+from dspark_jax.decoding.calibration import Sts, check_form
 from dspark_jax.decoding.metrics import Tally
 from dspark_jax.decoding.policies import bucket_for, make_policy
 from dspark_jax.decoding.requests import Request, Result
@@ -90,8 +90,8 @@ class Engine:
     `scheduler` picks the round policy (`policies.py`). The load-aware ones (greedy, async) need an
     SPS profile: `sps` (a profile or a path), else a cached start-up profile for this model, slot
     count, context and device, else one measured at warm-up and cached. `sts`: the calibration of
-    the confidence head (Eagle3: of its stand-in), a `calibration.Sts` or temperatures alone, one
-    per draft position.
+    the confidence head (Eagle3: of its stand-in), a `calibration.Sts` (either form) or
+    temperatures alone, one per draft position.
     `pending_context` (DSpark): how many rounds without a proposal a slot may hold its committed
     tokens' features back from the drafter's context before a flush projects them (PendingContext;
     a bigger buffer flushes less often, at R x pending x m·d target-dtype values).
@@ -124,6 +124,8 @@ class Engine:
         if sts is not None and (dcfg is None or len(sts) != dcfg.proposal_length):
             raise DSparkError(f"{len(sts)} calibration temperatures for a drafter with block size "
                               f"{dcfg.proposal_length if dcfg else 0}")
+        if sts is not None:
+            check_form("the engine's calibration (sts)", sts.form, sts.temperatures, sts.biases)
         self.shape = EngineShape(tcfg=tcfg, dcfg=dcfg, slots=slots, max_len=max_len,
                                  max_stop_ids=max_stop_ids, scheduler=scheduler,
                                  sts=sts,

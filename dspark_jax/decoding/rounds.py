@@ -223,9 +223,8 @@ def propose_stage(shape: EngineShape, state: EngineState, tparams, dparams) -> D
     if not dcfg.enable_confidence_head:
         top = jnp.clip(jnp.max(jax.nn.softmax(prop.base_logits, -1), -1), 1e-6, 1 - 1e-6)
         z = jnp.log(top) - jnp.log1p(-top)
-    c = jax.nn.sigmoid(calibrated(shape, z))
-    return Draft(tokens=prop.tokens, probs=prop.probs, conf_logits=z, confidence=c,
-                 survival=jnp.cumprod(c, axis=-1))
+    c, a = calibrated(shape, z)
+    return Draft(tokens=prop.tokens, probs=prop.probs, conf_logits=z, confidence=c, survival=a)
 
 
 def verify_and_commit(shape: EngineShape, bucket: int, state: EngineState, tparams, dparams,

@@ -108,12 +108,24 @@ class Eagle3Context:
                    hidden=jnp.zeros((slots, tcfg.hidden_size), jnp.dtype(ecfg.dtype)))
 
 
-def calibrated(shape: EngineShape, z: jax.Array) -> jax.Array:
-    """Confidence logits z [R, γ] under the engine's calibration: z / T_j + b_j (z when none)."""
-    if shape.sts is None:
-        return z
-    temps = jnp.asarray(shape.sts.temperatures, jnp.float32)
-    return z / temps + jnp.asarray(shape.sts.biases, jnp.float32)
+def calibrated(shape: EngineShape, z: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Confidence logits z [R, γ] -> (c [R, γ], a [R, γ]) under the engine's calibration
+    (`calibration.Sts`): the factor form scales each logit, c_j = σ(z_j / T_j + b_j), a = Π c; the
+    survival form scales the log prefix survival, log a_j = log(Π_{i≤j} σ(z_i)) / T_j + b_j, and
+    c_j = a_j / a_{j-1}. No calibration: c = σ(z)."""
+    sts = shape.sts
+    if sts is None or sts.form == "factor":
+        if sts is not None:
+            z = z / jnp.asarray(sts.temperatures, jnp.float32) + jnp.asarray(sts.biases, jnp.float32)
+        c = jax.nn.sigmoid(z)
+        return c, jnp.cumprod(c, axis=-1)
+    log_a = (jnp.cumsum(jax.nn.log_sigmoid(z), axis=-1) / jnp.asarray(sts.temperatures, jnp.float32)
+             + jnp.asarray(sts.biases, jnp.float32))
+    # ≤ 0 and non-increasing along j already (the file's checks); the clamps only make sure that
+    # float rounding cannot break what top-K's rank argument relies on.
+    log_a = jax.lax.cummin(jnp.minimum(log_a, 0.0), axis=z.ndim - 1)
+    prev = jnp.concatenate([jnp.zeros_like(log_a[..., :1]), log_a[..., :-1]], axis=-1)
+    return jnp.exp(log_a - prev), jnp.exp(log_a)
 
 
 @struct.dataclass
