@@ -6,25 +6,28 @@ grid temperature minimising the ECE of the prefix survival a_j = Π_{i≤j} σ(z
 ranking, but a product of differently scaled factors can reorder slightly, which is why AUC is
 reported before and after.
 
-Three methods. `sts` is the paper's: temperatures only, on a wide grid. `sts-bias` (ours) fits a temperature and a bias per position, a_j = Π_{i≤j} σ(z_i / T_i + b_i), by the same
-sequential grid search on a narrower temperature grid. A temperature can only move confidences
-towards or away from 1/2, so a head whose confidences are off by a constant (the tiny demo pair's,
-trained on one corpus and served on another) keeps most of its ECE under `sts`; the bias removes
-it, and the narrow grid keeps the product's ranking, hence AUC, close to the raw one (measured in
-the issue notes). With all biases 0 the two are the same map.
+Three methods. `sts` is the paper's: temperatures only, on a wide grid. `sts-bias` (ours) fits a
+temperature and a bias per position, a_j = Π_{i≤j} σ(z_i / T_i + b_i), by the same sequential grid
+search on a narrower temperature grid. A temperature can only move confidences towards or away
+from 1/2, so a head whose confidences are off by a constant (the tiny demo pair's, trained on one
+corpus and served on another) keeps most of its ECE under `sts`; the bias removes it, and the
+narrow grid keeps the product's ranking, hence AUC, close to the raw one (measured in the issue
+notes). With all biases 0 the two are the same map.
 
-`sts-rank` (ours, the default) keeps every position's ranking exactly: the temperature and bias act on the log
-prefix survival itself, a_j = exp(log(Π_{i≤j} σ(z_i)) / T_j + b_j), a strictly increasing map of
-the raw a_j, so the AUC at every position is the raw one to the last digit. That is the only kind
-of map that can: a product Π f_i(σ(z_i)) stays an increasing function of Π σ(z_i) for every input
-only if each f_i is k_i·p^α with one α. For the calibrated survival to stay a probability that
-never rises along the block (what top-K's rank argument and Algorithm 1's sums need) whatever the
-raw confidences, the fit keeps b_1 ≤ 0, b_j ≤ b_{j-1} and T_j ≤ T_{j-1}: then a_j ≤ 1 and, with
-raw a_j ≤ raw a_{j-1} ≤ 1, a_j ≤ a_{j-1} in every round. So it lifts confidences only through
-T_j > 1 (an underconfident head keeps more of its error than under `sts-bias`; the bundled
-drafter's head is overconfident on new prompts). The price is expressiveness: `sts-bias`
-may re-weight the factors and so re-rank rounds, which on held-out rounds moves AUC up at some
-positions and down at others and gives a lower Brier score (the issue notes have the figures).
+`sts-rank` (ours, the default) keeps every position's ranking exactly: the temperature and bias
+act on the log prefix survival itself, a_j = exp(log(Π_{i≤j} σ(z_i)) / T_j + b_j), a strictly
+increasing map of the raw a_j, so the AUC at every position is the raw one to the last digit.
+Among maps that scale each factor on its own, a_j = Π_{i≤j} f_i(σ(z_i)), only f_i(p) = k_i·p^α,
+one α for all the factors, keeps a_j an increasing function of the raw product for every input:
+`sts-rank` is that, with α = 1/T_j at position j. For the calibrated survival to stay a
+probability that never rises along the block (what top-K's rank argument and Algorithm 1's sums
+need) whatever the raw confidences, the fit keeps b_1 ≤ 0, b_j ≤ b_{j-1} and T_j ≤ T_{j-1}: then
+a_j ≤ 1 and, with raw a_j ≤ raw a_{j-1} ≤ 1, a_j ≤ a_{j-1} in every round. So it lifts
+confidences only through T_j > 1 (an underconfident head keeps more of its error than under
+`sts-bias`; the bundled drafter's head is overconfident on new prompts). The price is
+expressiveness: `sts-bias` may re-weight the factors and so re-rank rounds, which on held-out
+rounds moves AUC up at some positions and down at others and gives a slightly lower Brier score
+(BENCHMARKS.md, "Calibration on held-out benchmark prompts").
 The engine reads the form from sts.json (`"form": "factor"` or `"survival"`).
 """
 
