@@ -180,6 +180,38 @@ def test_rank_method_keeps_every_positions_auc_and_calibrates():
     assert np.all(np.isfinite(extreme)) and np.all(np.diff(extreme, axis=1) <= 0)
 
 
+def test_rank_method_finds_the_least_ece_sum_under_its_constraints():
+    """The dynamic programme against brute force over every constrained choice on a small grid:
+    the same least sum of the positions' ECEs on the fit rounds (a position-by-position search
+    misses it here: position 1 alone would take a pair that rules out what later ones need)."""
+    import itertools
+
+    rng = np.random.default_rng(5)
+    z, verified, accepted = simulate(rng, 3_000, np.array([0.7, 2.0, 2.0]),
+                                     biases=np.array([-0.5, 0.5, 0.5]))
+    observed, outcome = observations(verified, accepted, 3)
+    grid, bias_grid = np.array([0.5, 0.8, 1.25, 2.0]), np.array([-1.5, -0.75, -0.25, 0.0])
+    pairs = list(itertools.product(grid, bias_grid))
+
+    def position_ece(j, pair):  # position j's ECE depends on its own pair only
+        a = survival(z, Sts((pair[0],) * 3, (pair[1],) * 3, "survival"))[:, j]
+        return ece(a[observed[:, j]], outcome[observed[:, j], j])
+
+    table = {(j, pair): position_ece(j, pair) for j in range(3) for pair in pairs}
+    best = min(sum(table[j, pair] for j, pair in enumerate(chain))
+               for chain in itertools.product(pairs, repeat=3)
+               if all(a[0] >= b[0] and a[1] >= b[1] for a, b in zip(chain, chain[1:])))
+    fitted = fit_sts_rank(z, verified, accepted, grid=grid, bias_grid=bias_grid)
+    chosen = list(zip(fitted.temperatures, fitted.biases))
+    assert sum(table[j, pair] for j, pair in enumerate(chosen)) == pytest.approx(best, abs=1e-12)
+    greedy, floor = 0.0, (np.inf, 0.0)  # position by position, as the factor form is fitted
+    for j in range(3):
+        floor = min((p for p in pairs if p[0] <= floor[0] and p[1] <= floor[1]),
+                    key=lambda p: table[j, p])
+        greedy += table[j, floor]
+    assert greedy > best + 1e-3
+
+
 def test_rank_method_keeps_its_predecessor_where_nothing_was_verified():
     rng = np.random.default_rng(4)
     z, verified, accepted = simulate(rng, 4_000, T_STAR, max_verified=2, short_share=0.0)

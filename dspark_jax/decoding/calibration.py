@@ -292,12 +292,14 @@ def rank_grids() -> tuple[np.ndarray, np.ndarray]:
 
 def fit_sts_rank(z, verified, accepted, grid=None, bias_grid=None, bins: int = 10) -> Sts:
     """Raw logits z [N, γ], verified ℓ [N], accepted k [N] -> an `Sts` of the survival form:
-    a_j = exp(log raw a_j / T_j + b_j), (T_j, b_j) searched position by position on `grid` x
-    `bias_grid` (default `rank_grids`) for the lowest ECE, among the pairs with T_j ≤ T_{j-1} and
-    b_j ≤ b_{j-1} (b_0 = 0), which keep a_j ≤ 1 and never rising along j (module docstring).
+    a_j = exp(log raw a_j / T_j + b_j), (T_j, b_j) on `grid` x `bias_grid` (default `rank_grids`)
+    with T_j ≤ T_{j-1} and b_j ≤ b_{j-1} ≤ 0, which keep a_j ≤ 1 and never rising along j (module
+    docstring). Position j's ECE depends on its own pair only, so the pairs minimising the sum of
+    the positions' ECEs under those constraints are found exactly, by dynamic programming over
+    the grid (a position-by-position search would let an early pair rule out every later one).
 
-    A position no round verified keeps its predecessor's pair. Ties in ECE go to the pair closest
-    to the identity (|log T| first, then |b|)."""
+    A position no round verified keeps its predecessor's pair. Ties go to the pair closest to the
+    identity (|log T| first, then |b|), from the last position back."""
     z, ell, k = _check_record(z, verified, accepted)
     default_t, default_b = rank_grids()
     grid = default_t if grid is None else np.asarray(grid, np.float64).ravel()
@@ -310,25 +312,37 @@ def fit_sts_rank(z, verified, accepted, grid=None, bias_grid=None, bins: int = 1
     gamma = z.shape[1]
     observed, outcome = observations(ell, k, gamma)
     log_raw = np.cumsum(_log_sigmoid(z), axis=1)  # [N, γ] log of the raw prefix survival
-    temps = np.repeat(grid, biases_grid.size)
+    grid, biases_grid = np.unique(grid), np.unique(biases_grid)  # ascending: the DP's order
+    temps = np.repeat(grid, biases_grid.size)  # candidate (T, b) pairs, T-major
     bias = np.tile(biases_grid, grid.size)
     distance = np.stack([np.abs(np.log(temps)), np.abs(bias)])
-    temperatures, biases = np.ones(gamma), np.zeros(gamma)
-    t_prev, b_prev = np.inf, 0.0
+    seen = [j for j in range(gamma) if observed[:, j].any()]  # a prefix of the positions
     chunk = max(1, 4_000_000 // max(1, z.shape[0]))
-    for j in range(gamma):
+    shape = (grid.size, biases_grid.size)
+    # value[j][T, b]: the least sum of ECEs over positions 0..j with position j at (T, b) and
+    # every earlier one at a pair >= it in both coordinates (the constraints, read backwards).
+    value = []
+    for j in seen:
         rows = observed[:, j]
-        allowed = np.flatnonzero((temps <= t_prev) & (bias <= b_prev))
-        if not rows.any() or not allowed.size:
-            temperatures[j], biases[j] = (1.0, 0.0) if t_prev == np.inf else (t_prev, b_prev)
-            continue
         x, target = log_raw[rows, j], outcome[rows, j].astype(np.float64)
         errors = np.concatenate([
             _ece_rows(np.exp(np.minimum(x / temps[c, None] + bias[c, None], 0.0)), target, bins)
-            for c in np.array_split(allowed, math.ceil(allowed.size / chunk))])
-        tied = allowed[np.flatnonzero(errors <= errors.min() + 1e-12)]
-        best = tied[np.lexsort((distance[1, tied], distance[0, tied]))[0]]
-        temperatures[j], biases[j] = t_prev, b_prev = temps[best], bias[best]
+            for c in np.array_split(np.arange(temps.size), math.ceil(temps.size / chunk))])
+        if value:  # the best predecessor among the pairs with T' >= T and b' >= b
+            best = np.minimum.accumulate(value[-1][::-1], axis=0)[::-1]
+            errors = errors + np.minimum.accumulate(best[:, ::-1], axis=1)[:, ::-1].ravel()
+        value.append(errors.reshape(shape))
+    temperatures, biases = np.ones(gamma), np.zeros(gamma)
+    floor_t, floor_b = -np.inf, -np.inf  # the pair chosen for the next position, walking back
+    for j in reversed(seen):
+        v = value[j].ravel()
+        ok = np.flatnonzero((temps >= floor_t) & (bias >= floor_b))
+        tied = ok[np.flatnonzero(v[ok] <= v[ok].min() + 1e-12)]
+        pick = tied[np.lexsort((distance[1, tied], distance[0, tied]))[0]]
+        temperatures[j], biases[j] = floor_t, floor_b = temps[pick], bias[pick]
+    for j in range(len(seen), gamma):  # never verified: the last verified position's pair
+        if seen:
+            temperatures[j], biases[j] = temperatures[j - 1], biases[j - 1]
     return Sts(tuple(temperatures.tolist()), tuple(biases.tolist()), "survival")
 
 
