@@ -47,6 +47,8 @@ def test_calibration_writes_temperatures_report_and_diagram(calibrated):
     sts = json.loads((out / "sts.json").read_text())
     assert sts["format"] == "dspark-sts" and len(sts["temperatures"]) == 4 == sts["block_size"]
     assert all(t > 0 for t in sts["temperatures"])
+    # the default fit: on the log prefix survival, so the held-out AUC is the raw one exactly
+    assert sts["method"] == "sts-rank" and sts["form"] == "survival"
     assert sts["serving_temperature"] == 1 and sts["prompts_fit"] + sts["prompts_eval"] == 24
     assert sts["prompts_eval"] == round(0.3 * 24)
     report = json.loads((out / "calibration.json").read_text())
@@ -65,6 +67,7 @@ def test_calibration_writes_temperatures_report_and_diagram(calibrated):
     assert first["rounds_eval"] == report["rounds_eval"]
     assert first["max_auc_shift"] == pytest.approx(max(
         abs(a - b) for a, b in zip(report["auc"], report["auc_before"]) if a is not None and b is not None))
+    assert first["max_auc_shift"] == second["max_auc_shift"] == 0.0
     assert second["rounds_fit"] + second["rounds_eval"] == first["rounds_fit"] + first["rounds_eval"]
     assert "2 random splits of the same rounds:" in proc.stdout
     # --samples 2: every prompt decoded twice, its samples on one side of the split
