@@ -41,6 +41,7 @@ printed at the end), throughput.png (tokens/s and mean budget per request agains
 import argparse
 import dataclasses
 import gc
+import hashlib
 import itertools
 import json
 import shlex
@@ -224,7 +225,8 @@ def concurrency(args, command: str) -> dict:
               "repeats": args.repeats, "ignore_eos": args.ignore_eos,
               "prompt_files": args.prompts, "prompt_order": PROMPT_ORDER, "prompts": len(prompts),
               "bad_records": bad, "levels": args.levels,
-              "temperatures": args.temperatures, "schedulers": args.schedulers, "rows": []}
+              "temperatures": args.temperatures, "schedulers": args.schedulers,
+              "fingerprint": fingerprint(args), "rows": []}
     for c in args.levels:
         engines = warm_level(c, args.schedulers, engine_for, batch, args.temperatures[0])
         time_level(c, engines, batch, args, report)
@@ -234,6 +236,25 @@ def concurrency(args, command: str) -> dict:
         report["ratios"] = ratios(report["rows"])
         write(report, out)  # after every level, so a long run keeps what it measured
     return report
+
+
+def fingerprint(args) -> dict:
+    """What the figures were measured with beyond the settings: the decoding code's digest (the
+    one SPS profiles are cached under) and a digest of every file of the target and drafter
+    directories and of --sts, so that `reproduce` reuses a sweep only for the very same models and
+    code (a refitted sts.json or a retrained drafter changes what each scheduler does)."""
+    from dspark_jax.decoding.profile import code_fingerprint
+
+    digest = hashlib.sha256()
+    paths = [Path(args.target)] + ([Path(args.drafter)] if args.drafter.lower() != "none" else [])
+    if args.sts and args.sts.lower() != "none":
+        paths.append(Path(args.sts))
+    for root in paths:
+        files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+        for path in files:
+            digest.update(str(path.relative_to(root.parent)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return {"code": code_fingerprint(), "models": digest.hexdigest()[:16],
+            "sts": args.sts or "the drafter directory's"}
 
 
 def warm_level(c: int, names, engine_for, batch, temperature: float) -> dict:

@@ -101,7 +101,8 @@ def add_parser(sub) -> None:
                    help="steps of the baselines trained here (the bundled drafters' budget)")
     r.add_argument("--models", default=",".join(MODELS), help="subset of " + ", ".join(MODELS))
     r.add_argument("--fresh", action="store_true",
-                   help="measure the concurrency sweep again even when WORK holds one with these settings")
+                   help="measure the concurrency sweep again even when WORK holds one with these "
+                        "settings, models and code")
     r.add_argument("--no-compile-cache", action="store_true")
     r.add_argument("--eval-prompts", default=EVAL_PROMPTS,
                    help="directory of held-out JSONL prompt files to measure the calibration on "
@@ -727,8 +728,9 @@ def brier_cell(row: dict, when: str) -> str:
 
 
 def reusable(path: Path, cargs) -> dict | None:
-    """A concurrency report already in WORK measured with these settings at (at least) these
-    levels and recording every figure the report reads, cut to them; None when there is none (a long sweep that stopped keeps what it measured
+    """A concurrency report already in WORK measured with these settings, models and code
+    (`bench.fingerprint`) at (at least) these levels and recording every figure the report reads,
+    cut to them; None when there is none (a long sweep that stopped keeps what it measured
     up to the level it reached, written after every level)."""
     from serve import bench
 
@@ -740,7 +742,8 @@ def reusable(path: Path, cargs) -> dict | None:
               "temperatures": cargs.temperatures,
               "schedulers": cargs.schedulers, "max_len": cargs.max_len,
               "drafter": str(Path(cargs.drafter).resolve()), "ignore_eos": cargs.ignore_eos,
-              "prompt_order": bench.PROMPT_ORDER, "prompt_files": cargs.prompts}
+              "prompt_order": bench.PROMPT_ORDER, "prompt_files": cargs.prompts,
+              "fingerprint": bench.fingerprint(cargs)}
     same = all(saved.get(key) == value for key, value in wanted.items())
     measured = {r["level"] for r in saved.get("rows", [])}
     # rows from before the full-load budget was recorded are measured again
@@ -756,8 +759,8 @@ def reusable(path: Path, cargs) -> dict | None:
 def concurrency_stage(stage, stages: list, drafter: str, out: Path, levels: str, prompts: list[str],
                       args) -> dict:
     """`serve.bench concurrency` with every scheduler at `levels`, T = 0 and 1, into `out`; a
-    sweep already there with the same settings is reused unless --fresh (the stage times then
-    list it as reused, with the seconds it took when measured)."""
+    sweep already there with the same settings, models and code is reused unless --fresh (the
+    stage times then list it as reused, with the seconds it took when measured)."""
     from serve import bench
 
     bargs = ["concurrency", "--drafter", drafter, "--out", str(out), *prompts,
@@ -772,9 +775,11 @@ def concurrency_stage(stage, stages: list, drafter: str, out: Path, levels: str,
     cargs = bench.parse_args(bargs)
     saved = None if args.fresh else reusable(out / "concurrency.json", cargs)
     if saved:
-        print(f"concurrency: reusing {out} (the same settings; --fresh to measure again)", flush=True)
+        print(f"concurrency: reusing {out} (the same settings, models and code; --fresh to "
+              "measure again)", flush=True)
         bench.write(saved, out)
-        stages.append({"stage": f"{out.name} (reused: measured by an earlier run, same settings)",
+        stages.append({"stage": f"{out.name} (reused: measured by an earlier run, same settings, "
+                                "models and code)",
                        "seconds": saved.get("stage_seconds", "–")})
         return saved
     report = stage(out.name, bench.concurrency, cargs, shlex.join(["python", "-m", "serve.bench", *bargs]))

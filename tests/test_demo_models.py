@@ -16,7 +16,7 @@ def test_demo_models_builds_and_resumes(tmp_path, capsys):
             "--regenerate-max-new-tokens", "12", "--regenerate-slots", "4",
             "--regenerate-max-len", "256", "--calibrate-max-new-tokens", "8",
             "--calibrate-slots", "4", "--calibrate-max-len", "256",
-            "--calibrate-prefill-buckets", "256"]
+            "--calibrate-prefill-buckets", "256", "--calibrate-samples", "2"]
     assert demo_models.main(argv) == 0
     regenerated = [json.loads(x) for x in (out / "data/regenerated.jsonl").read_text().splitlines()]
     assert len(regenerated) == 12 and all(r["conversations"][-1]["role"] == "assistant"
@@ -25,7 +25,8 @@ def test_demo_models_builds_and_resumes(tmp_path, capsys):
         config = json.loads((out / "drafters" / name / "config.json").read_text())
         assert (out / "drafters" / name / "model.safetensors").stat().st_size > 0
         assert config["block_size"] == 4
-    assert (out / "drafters/dspark/sts.json").exists()  # the drafter with a confidence head
+    sts = json.loads((out / "drafters/dspark/sts.json").read_text())  # the drafter with a confidence head
+    assert sts["method"] == "sts-rank" and sts["samples"] == 2
     assert not (out / "drafters/dflash/sts.json").exists()
     stages = json.loads((out / "demo_models.json").read_text())["runs"][0]["stages"]
     assert [s["stage"] for s in stages] == ["target", "regenerate", "drafter dspark",

@@ -106,7 +106,7 @@ def test_acceptance_by_position_counts_as_the_engine_tally_does():
     assert np.mean(taus) == tally.summary()["tau"]
 
 
-def test_a_saved_sweep_is_reused_only_for_the_same_settings(tmp_path):
+def test_a_saved_sweep_is_reused_only_for_the_same_settings_models_and_code(tmp_path):
     import json
 
     from serve import bench
@@ -122,7 +122,7 @@ def test_a_saved_sweep_is_reused_only_for_the_same_settings(tmp_path):
               "temperatures": [0.0],
               "schedulers": saved.schedulers, "max_len": 512, "drafter": saved.drafter,
               "ignore_eos": False, "prompt_order": bench.PROMPT_ORDER, "prompt_files": saved.prompts,
-              "levels": [1, 16], "rows": rows,
+              "levels": [1, 16], "rows": rows, "fingerprint": bench.fingerprint(saved),
               "ratios": [{"level": c, "temperature": 0.0} for c in (1, 16)]}
     path = tmp_path / "concurrency.json"
     assert reproduce.reusable(path, saved) is None  # nothing saved yet
@@ -134,6 +134,22 @@ def test_a_saved_sweep_is_reused_only_for_the_same_settings(tmp_path):
     assert reproduce.reusable(path, cargs("--levels", "1", "--ignore-eos")) is None
     assert reproduce.reusable(path, cargs("--levels", "1", "--min-requests", "8")) is None
     assert reproduce.reusable(path, cargs("--levels", "1", "--prompts", "math")) is None  # another load
+    assert reproduce.reusable(path, cargs("--levels", "1", "--sts", "none")) is None  # raw confidences
+    # the same settings with a refitted sts.json, or measured by another version of the code
+    import shutil
+
+    drafter = tmp_path / "drafter"
+    shutil.copytree(Path(saved.drafter), drafter)
+    path.write_text(json.dumps({**report, "drafter": str(drafter.resolve()),
+                                "fingerprint": bench.fingerprint(cargs("--drafter", str(drafter)))}))
+    assert reproduce.reusable(path, cargs("--levels", "1", "--drafter", str(drafter))) is not None
+    sts = json.loads((drafter / "sts.json").read_text())
+    (drafter / "sts.json").write_text(json.dumps({**sts, "biases": [b - 0.1 for b in sts["biases"]]}))
+    assert reproduce.reusable(path, cargs("--levels", "1", "--drafter", str(drafter))) is None
+    path.write_text(json.dumps({**report, "fingerprint": {**report["fingerprint"], "code": "0" * 16}}))
+    assert reproduce.reusable(path, cargs("--levels", "1")) is None
+    path.write_text(json.dumps({k: v for k, v in report.items() if k != "fingerprint"}))  # before it
+    assert reproduce.reusable(path, cargs("--levels", "1")) is None
     path.write_text(json.dumps({**report, "prompt_order": "file order"}))  # an older sweep's
     assert reproduce.reusable(path, cargs("--levels", "1")) is None
     old_rows = [{k: v for k, v in r.items() if k != "full_load_mean_budget"} for r in rows]
@@ -158,7 +174,8 @@ def test_a_reused_sweep_is_listed_with_the_time_it_took_when_measured(tmp_path):
               "drafter": cargs.drafter, "ignore_eos": False, "prompt_order": bench.PROMPT_ORDER,
               "prompt_files": cargs.prompts, "levels": [1], "device": {"kind": "cpu", "count": 1},
               "rows": [_conc_row(1, t, s, 100.0) for t in (0.0, 1.0) for s in cargs.schedulers],
-              "ratios": [], "stage_seconds": 812.5, "command": "python -m serve.bench concurrency"}
+              "ratios": [], "stage_seconds": 812.5, "command": "python -m serve.bench concurrency",
+              "fingerprint": bench.fingerprint(cargs)}
     (tmp_path / "concurrency.json").write_text(json.dumps(report))
 
     def stage(*_):
@@ -167,8 +184,9 @@ def test_a_reused_sweep_is_listed_with_the_time_it_took_when_measured(tmp_path):
     stages = []
     saved = reproduce.concurrency_stage(stage, stages, "tiny-dspark", tmp_path, "1", [], args)
     assert saved["levels"] == [1]
-    assert stages == [{"stage": "concurrency (reused: measured by an earlier run, same settings)"
-                       .replace("concurrency", tmp_path.name, 1), "seconds": 812.5}]
+    assert stages == [{"stage": "concurrency (reused: measured by an earlier run, same settings, "
+                                "models and code)".replace("concurrency", tmp_path.name, 1),
+                       "seconds": 812.5}]
 
 
 def test_the_report_shows_both_loads_with_their_commands():

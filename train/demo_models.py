@@ -13,8 +13,8 @@ Stages, each skipped when its output is already there (rerun the command to resu
   3. OUT/drafters/NAME         for each drafter: train.drafter on the regenerated data for
                                --drafter-steps steps (OUT/runs/NAME, orbax, resumable), exported in
                                bfloat16 DeepSpec format
-  4. OUT/drafters/NAME/sts.json  train.calibrate on the held-out prompts of every domain, T = 1
-                               (drafters with a confidence head)
+  4. OUT/drafters/NAME/sts.json  train.calibrate on the held-out prompts of every domain, T = 1,
+                               --calibrate-samples samples of each (drafters with a confidence head)
 Every stage prints what it runs; OUT/demo_models.json records the commands, times and step
 counts.
 """
@@ -50,6 +50,9 @@ def parse_args(argv):
     ap.add_argument("--regenerate-max-len", type=int, default=1024)
     ap.add_argument("--calibrate-max-new-tokens", type=int, default=128)
     ap.add_argument("--calibrate-slots", type=int, default=16)
+    ap.add_argument("--calibrate-samples", type=int, default=4,
+                    help="samples per prompt (train.calibrate --samples): the held-out prompts "
+                         "are few, and 4 samples each give the fit 4x the rounds")
     ap.add_argument("--calibrate-max-len", type=int, default=0,
                     help="the calibration engine's context (0: the target's, at most 2048)")
     ap.add_argument("--calibrate-prefill-buckets", default="",
@@ -64,7 +67,7 @@ def parse_args(argv):
         args.drafters = {}
     if not args.drafters and not problems:
         problems.append("--drafters: name at least one NAME=PRESET")
-    for name in ("target_steps", "drafter_steps", "math_items", "target_max_length"):
+    for name in ("target_steps", "drafter_steps", "math_items", "target_max_length", "calibrate_samples"):
         if getattr(args, name) < 1:
             problems.append(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if problems:
@@ -150,6 +153,7 @@ def main(argv=None) -> int:
                     "--temperature", "1", "--max-new-tokens", str(args.calibrate_max_new_tokens),
                     "--slots", str(args.calibrate_slots), "--max-len", str(args.calibrate_max_len),
                     "--prefill-buckets", args.calibrate_prefill_buckets,
+                    "--samples", str(args.calibrate_samples),
                     "--seed", str(args.seed)])
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
